@@ -1,0 +1,53 @@
+"""dtshard: distributed tensors for PyTorch.
+
+A drop-in for ``torch.distributed.tensor``: the same placements (``Shard``, ``Replicate``,
+``Partial``), meshes (``DeviceMesh``, ``init_device_mesh``) and API, implemented as a
+``__torch_dispatch__`` subclass whose every op goes through a sharding-rule registry.
+"""
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+from dtshard import rules as _rules  # noqa: F401  (registers the built-in rules)
+from dtshard.propagate import NoRuleError, RuleError, config
+from dtshard.registry import OpCall, override, register_handler, register_rule
+from dtshard.spec import DTensorSpec, TensorMeta
+from dtshard.tensor import DTensor, distribute_module, distribute_tensor
+
+__all__ = [
+    "DTensor",
+    "DTensorSpec",
+    "DeviceMesh",
+    "NoRuleError",
+    "OpCall",
+    "Partial",
+    "Placement",
+    "Replicate",
+    "RuleError",
+    "Shard",
+    "TensorMeta",
+    "config",
+    "distribute_module",
+    "distribute_tensor",
+    "init_device_mesh",
+    "override",
+    "register_handler",
+    "register_rule",
+    "replicate_fallback",
+]
+
+__version__ = "0.1.0"
+
+
+class replicate_fallback:
+    """Context manager (or call ``dtshard.config.fallback_to_replicate = True``): ops without a
+    rule run on Replicate inputs instead of raising; each such op warns once."""
+
+    def __enter__(self):
+        self._old = config.fallback_to_replicate
+        config.fallback_to_replicate = True
+        return self
+
+    def __exit__(self, *exc):
+        config.fallback_to_replicate = self._old
+        return False

@@ -1,0 +1,23 @@
+"""Observer hooks shared by collectives, redistribute and dispatch (read by dtshard.debug).
+
+Kept in a leaf module so the hot paths pay one truthiness check on a list when nobody listens.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+# callback(kind, mesh_dim, nbytes, group_size) for every collective
+comm_observers: list[Callable[[str, int, int, int], None]] = []
+# callback(kind, nbytes) for every local copy pass made by redistribute / halo code
+copy_observers: list[Callable[[str, int], None]] = []
+# callback(op_name, plan_text) for every dispatch (cache hit or miss)
+plan_observers: list[Callable[[str, object], None]] = []
+
+# The op being dispatched right now (a name), so counters can attribute traffic to ops.
+current_op: list[str] = ["<redistribute>"]
+
+
+def note_copy(kind: str, nbytes: int) -> None:
+    for observer in copy_observers:
+        observer(kind, nbytes)

@@ -1,0 +1,147 @@
+"""The only module of dtshard that talks to ``torch.distributed``.
+
+Every collective goes through PyTorch's functional collectives (``torch.ops._c10d_functional``),
+over the process group of ONE mesh dim, so the same code runs eagerly and traces under
+``torch.compile``.  Each call is reported to the active ``dtshard.debug.CommCounter`` objects
+(kind, mesh dim, bytes this rank puts on the wire), which is how tests assert minimum traffic.
+
+Byte accounting (per rank, ``n`` ranks in the group), matching docs/ARCHITECTURE's table:
+all_gather ``(n-1) * input``, reduce_scatter ``(n-1)/n * input``, all_reduce ``2(n-1)/n * input``
+(ring), all_to_all ``input - the part kept locally``, broadcast ``input`` on non-source ranks.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = [
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "broadcast",
+    "reduce_scatter",
+    "mesh_coordinate",
+    "mesh_dim_rank",
+    "world_rank",
+    "init_device_mesh",
+    "DeviceMesh",
+    "init_process_group",
+]
+
+_fc = torch.ops._c10d_functional
+
+from dtshard._trace import comm_observers as _observers
+
+_group_names: dict[tuple[int, int], tuple[str, int]] = {}
+_coordinates: dict[int, tuple[int, ...]] = {}
+
+
+def _group(mesh: DeviceMesh, mesh_dim: int) -> tuple[str, int]:
+    """(process group name, group size) of one mesh dim, cached per mesh object."""
+    key = (id(mesh), mesh_dim)
+    hit = _group_names.get(key)
+    if hit is None:
+        group = mesh.get_group(mesh_dim)
+        hit = _group_names[key] = (group.group_name, mesh.size(mesh_dim))
+    return hit
+
+
+def _notify(kind: str, mesh_dim: int, nbytes: int, group_size: int) -> None:
+    for observer in _observers:
+        observer(kind, mesh_dim, nbytes, group_size)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def mesh_coordinate(mesh: DeviceMesh) -> tuple[int, ...]:
+    """This rank's coordinate on ``mesh`` (cached)."""
+    coord = _coordinates.get(id(mesh))
+    if coord is None:
+        c = mesh.get_coordinate()
+        if c is None:
+            raise RuntimeError(
+                f"rank {dist.get_rank()} is not part of mesh {mesh}; dtshard tensors live only on "
+                "the ranks of their mesh."
+            )
+        coord = _coordinates[id(mesh)] = tuple(c)
+    return coord
+
+
+def mesh_dim_rank(mesh: DeviceMesh, mesh_dim: int) -> int:
+    return mesh_coordinate(mesh)[mesh_dim]
+
+
+def world_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def all_gather(x: torch.Tensor, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along dim 0 (all ranks pass equal shapes)."""
+    name, n = _group(mesh, mesh_dim)
+    if _observers:
+        _notify("all_gather", mesh_dim, (n - 1) * _nbytes(x), n)
+    return _fc.wait_tensor(_fc.all_gather_into_tensor(x.contiguous(), n, name))
+
+
+def reduce_scatter(x: torch.Tensor, op: str, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
+    """Reduce ``x`` (shape ``(n*b, ...)``) over the group; rank ``i`` gets block ``i``."""
+    name, n = _group(mesh, mesh_dim)
+    if _observers:
+        _notify("reduce_scatter", mesh_dim, (n - 1) * _nbytes(x) // n, n)
+    return _fc.wait_tensor(_fc.reduce_scatter_tensor(x.contiguous(), op, n, name))
+
+
+def all_reduce(x: torch.Tensor, op: str, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
+    """Elementwise reduction (``sum``, ``avg``, ``max``, ``min``) over the group; new tensor."""
+    name, n = _group(mesh, mesh_dim)
+    if _observers:
+        _notify("all_reduce", mesh_dim, 2 * (n - 1) * _nbytes(x) // n, n)
+    return _fc.wait_tensor(_fc.all_reduce(x.contiguous(), op, name))
+
+
+def all_to_all(
+    x: torch.Tensor,
+    output_split_sizes: Sequence[int],
+    input_split_sizes: Sequence[int],
+    mesh: DeviceMesh,
+    mesh_dim: int,
+) -> torch.Tensor:
+    """``all_to_all_single`` along dim 0 of ``x`` with the given (possibly uneven) splits."""
+    name, n = _group(mesh, mesh_dim)
+    if _observers:
+        me = mesh_dim_rank(mesh, mesh_dim)
+        row = _nbytes(x) // max(x.shape[0], 1) if x.dim() else _nbytes(x)
+        sent = (sum(input_split_sizes) - input_split_sizes[me]) * row
+        _notify("all_to_all", mesh_dim, sent, n)
+    return _fc.wait_tensor(
+        _fc.all_to_all_single(x.contiguous(), list(output_split_sizes), list(input_split_sizes), name)
+    )
+
+
+def broadcast(x: torch.Tensor, src_index: int, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
+    """Every rank gets the ``x`` of the rank at index ``src_index`` along ``mesh_dim``."""
+    name, n = _group(mesh, mesh_dim)
+    if _observers and mesh_dim_rank(mesh, mesh_dim) != src_index:
+        _notify("broadcast", mesh_dim, _nbytes(x), n)
+    return _fc.wait_tensor(_fc.broadcast(x.contiguous(), src_index, name))
+
+
+def all_gather_object(obj, mesh: DeviceMesh, mesh_dim: int) -> list:
+    """Gather a picklable object from every rank of one mesh dim (used by checks, not hot paths)."""
+    group = mesh.get_group(mesh_dim)
+    out = [None] * mesh.size(mesh_dim)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def init_process_group(backend: str = "gloo", *, timeout_s: float = 60.0, **kwargs) -> None:
+    """Initialise the default process group with a finite timeout (dtshard never waits forever)."""
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)

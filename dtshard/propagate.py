@@ -1,0 +1,401 @@
+"""Sharding propagation: turn a rule's single-mesh-dim strategies into a checked plan.
+
+Runs only on a dispatch-cache miss.  Steps:
+  1. run the op on meta tensors of the GLOBAL shapes: output shapes, strides, dtypes, structure;
+  2. ask the rule for its strategies (plus all-Replicate, which is always correct);
+  3. expand them over the mesh dims (one strategy per mesh dim), price each choice by the bytes its
+     input redistributions move, and order the choices by cost;
+  4. take the cheapest choice that passes the local check: for every distinct combination of local
+     shapes on the mesh, the op's meta kernel on the local input shapes must give exactly the local
+     output shapes the output placements claim.  A rule that would mislabel an uneven layout is
+     thereby never used: the next cheapest correct choice is (all-Replicate at worst).
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+from dtshard import redistribute as R
+from dtshard.registry import OpCall, RuleEntry, get_entry
+from dtshard.spec import DTensorSpec, TensorMeta, local_shape_and_offset, placements_str
+
+__all__ = ["Plan", "propagate", "NoRuleError", "RuleError", "config"]
+
+_REPLICATE = Replicate()
+_MAX_CHOICES = 4096
+
+
+class config:
+    """Global switches (also settable through :func:`dtshard.replicate_fallback`)."""
+
+    #: When an op has no rule, redistribute its inputs to Replicate, run it, and warn once per op
+    #: (instead of raising NotImplementedError).
+    fallback_to_replicate: bool = False
+    #: Check each new plan against the op's meta kernel on every distinct local shape.
+    check_plans: bool = True
+
+
+class NoRuleError(NotImplementedError):
+    pass
+
+
+class RuleError(RuntimeError):
+    """A rule returned something that is not a valid strategy (a bug in the rule)."""
+
+
+@dataclass
+class Plan:
+    """What the dispatcher does for one (op, input specs, non-tensor args) key."""
+
+    op: Any
+    input_targets: tuple  # per DTensor input: target placements, or None when unchanged
+    out_specs: tuple  # per tensor output (flattened): DTensorSpec or None
+    shape_overrides: tuple  # ((arg index, local shape), ...) for shape_args
+    mode: str  # "functional" | "inplace" | "out"
+    cost: float
+    considered: tuple = ()  # [(cost, text)] of the choices looked at, for explain()
+    fallback: bool = False
+
+    def describe(self, in_specs: Sequence[DTensorSpec]) -> str:
+        lines = [f"{self.op}  cost={self.cost:.0f}B" + ("  (fallback to Replicate)" if self.fallback else "")]
+        for k, (spec, tgt) in enumerate(zip(in_specs, self.input_targets)):
+            if tgt is None:
+                lines.append(f"  in{k}: {placements_str(spec.placements)} (kept)")
+            else:
+                for line in R.plan_text(spec, tgt).splitlines():
+                    lines.append(f"  in{k}: {line.strip()}")
+        for k, spec in enumerate(self.out_specs):
+            if spec is not None:
+                lines.append(f"  out{k}: {placements_str(spec.placements)} shape={tuple(spec.shape)}")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# rule lookup, with in-place and .out overloads derived from the functional op
+# ---------------------------------------------------------------------------------------------
+
+_derived: dict = {}
+
+
+def _functional_of(op: torch._ops.OpOverload):
+    """(functional overload, mode) for in-place and .out overloads; (op, "functional") otherwise."""
+    hit = _derived.get(op)
+    if hit is not None:
+        return hit
+    schema = op._schema
+    result = (op, "functional")
+    name = schema.name.split("::")[-1]
+    packet_name = op._overloadpacket.__name__
+    aten = torch.ops.aten
+    if schema.is_mutable and packet_name.endswith("_") and not packet_name.endswith("__"):
+        base = getattr(aten, packet_name[:-1], None)
+        ov = getattr(base, op._overloadname, None) if base is not None else None
+        if ov is not None:
+            result = (ov, "inplace")
+    elif schema.is_mutable and any(a.is_out for a in schema.arguments):
+        in_args = [(a.name, str(a.type)) for a in schema.arguments if not a.is_out]
+        for ov_name in op._overloadpacket.overloads():
+            ov = getattr(op._overloadpacket, ov_name)
+            s = ov._schema
+            if ov is op or s.is_mutable:
+                continue
+            if [(a.name, str(a.type)) for a in s.arguments] == in_args:
+                result = (ov, "out")
+                break
+    del name
+    _derived[op] = result
+    return result
+
+
+def lookup(op) -> tuple[RuleEntry | None, str]:
+    entry = get_entry(op)
+    if entry is not None:
+        return entry, "functional" if not op._schema.is_mutable else _functional_of(op)[1]
+    base, mode = _functional_of(op)
+    if base is not op:
+        entry = get_entry(base)
+        if entry is not None and entry.kind == "rule":
+            return entry, mode
+    return None, "functional"
+
+
+def rules_file_hint(op) -> str:
+    return (
+        f"add a rule with @dtshard.register_rule(torch.ops.aten.{op._overloadpacket.__name__}."
+        f"{op._overloadname}) in the matching family file under dtshard/rules/ (see CONTRIBUTING.md), "
+        "or opt in to the slow path with dtshard.replicate_fallback()"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# meta execution helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _meta(shape, dtype):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _run_meta(op, args, kwargs, tensor_shapes, dtypes, shape_overrides, scalars_to_meta=True):
+    """Run ``op`` on meta tensors; DTensor slots in ``args`` are marked by _Slot(k)."""
+    def conv(a):
+        if isinstance(a, _Slot):
+            return _meta(tensor_shapes[a.k], dtypes[a.k])
+        if isinstance(a, torch.Tensor):
+            return a.to("meta") if scalars_to_meta else a
+        if isinstance(a, (list, tuple)):
+            return type(a)(conv(b) for b in a)
+        return a
+
+    margs = [conv(a) for a in args]
+    for idx, shape in shape_overrides:
+        margs[idx] = list(shape)
+    mkwargs = {k: conv(v) for k, v in kwargs.items()}
+    return op(*margs, **mkwargs)
+
+
+class _Slot:
+    __slots__ = ("k",)
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def __repr__(self) -> str:
+        return f"<tensor {self.k}>"
+
+
+def flatten_outputs(out) -> list:
+    if isinstance(out, torch.Tensor) or out is None:
+        return [out]
+    if isinstance(out, (list, tuple)):
+        flat = []
+        for o in out:
+            flat.extend(flatten_outputs(o))
+        return flat
+    return [out]
+
+
+# ---------------------------------------------------------------------------------------------
+# propagation
+# ---------------------------------------------------------------------------------------------
+
+_warned_fallback: set = set()
+
+
+def _error_context(op, specs: Sequence[DTensorSpec]) -> str:
+    ins = ", ".join(f"{tuple(s.shape)} {placements_str(s.placements)}" for s in specs)
+    mesh = specs[0].mesh if specs else None
+    return f"{op} on inputs [{ins}] over mesh {tuple(mesh.shape) if mesh is not None else ()}"
+
+
+def _check_strategy(op, strat, n_in, n_out, in_metas, out_metas, source) -> tuple:
+    try:
+        outs, ins = strat
+        outs, ins = tuple(outs), tuple(ins)
+    except Exception:
+        raise RuleError(f"the rule for {op} ({source}) returned {strat!r}; expected (output_placements, input_placements)")
+    if len(outs) == 1 and n_out > 1:
+        outs = outs * n_out
+    if len(ins) != n_in or len(outs) != n_out:
+        raise RuleError(
+            f"the rule for {op} ({source}) returned a strategy with {len(ins)} input and {len(outs)} output "
+            f"placements; the op has {n_in} DTensor inputs and {n_out} tensor outputs"
+        )
+    for p, m in zip(ins + outs, in_metas + out_metas):
+        if not isinstance(p, (Shard, Replicate, Partial)):
+            raise RuleError(f"the rule for {op} ({source}) returned {p!r}, not a placement")
+        if isinstance(p, Shard) and m is not None and not 0 <= p.dim < len(m):
+            raise RuleError(
+                f"the rule for {op} ({source}) returned Shard({p.dim}) for a {len(m)}-D tensor"
+            )
+    return outs, ins
+
+
+def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kwargs) -> Plan:
+    """Build the plan for ``op`` on DTensor inputs with ``specs``.
+
+    ``meta_args``/``meta_kwargs`` are the op's args with DTensor slots replaced by ``_Slot(k)``.
+    """
+    entry, mode = lookup(op)
+    fallback = False
+    if entry is None:
+        if not config.fallback_to_replicate:
+            raise NoRuleError(
+                f"dtshard has no sharding rule for {_error_context(op, specs)}. To fix: "
+                + rules_file_hint(op)
+            )
+        fallback = True
+        if op not in _warned_fallback:
+            _warned_fallback.add(op)
+            warnings.warn(
+                f"dtshard: no sharding rule for {op}; falling back to Replicate (all inputs gathered). "
+                + rules_file_hint(op),
+                stacklevel=4,
+            )
+    mesh = specs[0].mesh
+    mesh_shape = tuple(mesh.shape)
+    for s in specs[1:]:
+        if s.mesh is not mesh:
+            raise ValueError(
+                f"{_error_context(op, specs)}: DTensor inputs live on different meshes "
+                f"({tuple(mesh.shape)} vs {tuple(s.mesh.shape)}); redistribute them onto one mesh first."
+            )
+    shapes = [s.shape for s in specs]
+    dtypes = [s.dtype for s in specs]
+    # 1. global meta run: output structure and global metadata
+    try:
+        gout = _run_meta(op, meta_args, meta_kwargs, shapes, dtypes, ())
+    except Exception as e:  # the op rejects these global inputs: same error a plain tensor gives
+        raise type(e)(f"{_error_context(op, specs)}: {e}") if _simple_exc(e) else e
+    gflat = flatten_outputs(gout)
+    out_metas = [tuple(o.shape) if isinstance(o, torch.Tensor) else None for o in gflat]
+    n_out = len(gflat)
+    in_metas = [tuple(s) for s in shapes]
+
+    shape_args = entry.shape_args if entry is not None else {}
+    # .out overloads: the out= DTensors are not inputs of the functional rule; they must already
+    # have the placements the chosen strategy gives its outputs.
+    out_names = {a.name for a in op._schema.arguments if a.is_out} if mode == "out" else set()
+    out_slots = {v.k for name, v in meta_kwargs.items() if name in out_names and isinstance(v, _Slot)}
+    in_ids = [k for k in range(len(specs)) if k not in out_slots]
+    # 2. strategies
+    if fallback:
+        strategies = []
+    else:
+        call = OpCall(op=_functional_of(op)[0] if mode != "functional" else op,
+                      args=tuple(_to_meta_info(a, specs) for a in meta_args),
+                      kwargs={k: _to_meta_info(v, specs) for k, v in meta_kwargs.items() if k not in out_names},
+                      tensors=tuple(specs[k].tensor_meta for k in in_ids))
+        try:
+            raw = list(entry.fn(call))
+        except RuleError:
+            raise
+        except Exception as e:
+            raise RuleError(f"the rule for {op} ({entry.source}) raised {type(e).__name__}: {e}") from e
+        rule_in_metas = [in_metas[k] for k in in_ids]
+        strategies = [_check_strategy(op, s, len(in_ids), n_out, rule_in_metas, out_metas, entry.source) for s in raw]
+    all_r = ((_REPLICATE,) * n_out, (_REPLICATE,) * len(in_ids))
+    if all_r not in strategies:
+        strategies.append(all_r)
+
+    # 3. expand over mesh dims and price
+    m = len(mesh_shape)
+    n_choices = len(strategies) ** m
+    if n_choices > _MAX_CHOICES:  # keep a huge rule x mesh product bounded: same strategy on every dim
+        combos = [tuple([k] * m) for k in range(len(strategies))]
+    else:
+        combos = list(itertools.product(range(len(strategies)), repeat=m))
+    priced = []
+    for combo in combos:
+        rule_ins = [tuple(strategies[c][1][j] for c in combo) for j in range(len(in_ids))]
+        outs = tuple(tuple(strategies[c][0][k] for c in combo) for k in range(n_out))
+        ins_list = [s.placements for s in specs]
+        for j, k in enumerate(in_ids):
+            ins_list[k] = rule_ins[j]
+        ins = tuple(ins_list)
+        if mode == "inplace" and (ins[0] != specs[0].placements or outs[0] != specs[0].placements):
+            continue
+        if mode == "out" and tuple(outs) != tuple(specs[k].placements for k in sorted(out_slots)):
+            continue
+        try:
+            cost = sum(R.transition_cost(s, t) for s, t in zip(specs, ins))
+        except ValueError:
+            continue
+        # ties: prefer keeping inputs as they are, then fewer replicated outputs
+        n_moves = sum(t != s.placements for s, t in zip(specs, ins))
+        n_rep = sum(isinstance(p, Replicate) for o in outs for p in o)
+        priced.append((cost, n_moves, n_rep, ins, outs))
+    priced.sort(key=lambda t: (t[0], t[1], t[2]))
+    if not priced:
+        what = "in-place op would change the placement of its self argument" if mode == "inplace" else (
+            "the out= tensor's placements match no valid strategy" if mode == "out" else "no valid strategy")
+        raise RuntimeError(
+            f"{_error_context(op, specs)}: {what}. Redistribute the tensor first, or use the "
+            "out-of-place op."
+        )
+
+    # 4. first choice that passes the local shape check
+    considered = []
+    for cost, _, _, ins, outs in priced:
+        out_specs = tuple(
+            None if o is None else DTensorSpec(mesh, outs[k], tuple(o.shape), tuple(o.stride()), o.dtype)
+            for k, o in enumerate(gflat)
+        )
+        in_specs = [s.with_placements(t) for s, t in zip(specs, ins)]
+        ok = _check_local(op, meta_args, meta_kwargs, in_specs, out_specs, mesh_shape, shape_args)
+        considered.append((cost, placements_text(ins, outs), ok))
+        if ok:
+            from dtshard.collectives import mesh_coordinate  # coordinate of this rank (cached)
+
+            coord = mesh_coordinate(mesh)
+            overrides = tuple(
+                (idx, out_specs[k].local_shape(coord)) for idx, k in sorted(shape_args.items())
+                if idx < len(meta_args)
+            )
+            targets = tuple(None if t == s.placements else t for s, t in zip(specs, ins))
+            return Plan(op, targets, out_specs, overrides, mode, cost, tuple(considered), fallback)
+    raise RuntimeError(
+        f"{_error_context(op, specs)}: no strategy passed the local shape check (not even "
+        f"all-Replicate); this is a dtshard bug, please report it with this message."
+    )
+
+
+def placements_text(ins, outs) -> str:
+    return " ".join(placements_str(p) for p in ins) + " -> " + " ".join(placements_str(p) for p in outs)
+
+
+def _simple_exc(e: Exception) -> bool:
+    try:
+        type(e)("x")
+        return type(e) in (RuntimeError, ValueError, TypeError, IndexError)
+    except Exception:
+        return False
+
+
+def _to_meta_info(a, specs):
+    if isinstance(a, _Slot):
+        return specs[a.k].tensor_meta
+    if isinstance(a, (list, tuple)):
+        return type(a)(_to_meta_info(b, specs) for b in a)
+    return a
+
+
+def _check_local(op, meta_args, meta_kwargs, in_specs, out_specs, mesh_shape, shape_args) -> bool:
+    """Does the op, run on every distinct combination of local shapes, give the claimed shapes?"""
+    if not config.check_plans:
+        return True
+    if all(all(not isinstance(p, Shard) for p in s.placements) for s in in_specs) and all(
+        o is None or all(not isinstance(p, Shard) for p in o.placements) for o in out_specs
+    ):
+        return True  # nothing is sharded: local shapes equal global shapes, checked already
+    seen = set()
+    dtypes = [s.dtype for s in in_specs]
+    for coord in itertools.product(*(range(n) for n in mesh_shape)):
+        in_local = tuple(local_shape_and_offset(s.shape, mesh_shape, s.placements, coord)[0] for s in in_specs)
+        out_local = tuple(
+            None if o is None else local_shape_and_offset(o.shape, mesh_shape, o.placements, coord)[0]
+            for o in out_specs
+        )
+        key = (in_local, out_local)
+        if key in seen:
+            continue
+        seen.add(key)
+        overrides = tuple((idx, out_local[k]) for idx, k in sorted(shape_args.items()) if idx < len(meta_args))
+        try:
+            lout = flatten_outputs(_run_meta(op, meta_args, meta_kwargs, in_local, dtypes, overrides))
+        except Exception:
+            return False
+        if len(lout) != len(out_local):
+            return False
+        for got, want in zip(lout, out_local):
+            if (got is None) != (want is None):
+                return False
+            if got is not None and tuple(got.shape) != want:
+                return False
+    return True

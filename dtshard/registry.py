@@ -1,0 +1,154 @@
+"""The sharding-rule registry: the one way to teach dtshard an op.
+
+A **rule** describes ONE mesh dim.  It receives an :class:`OpCall` (the op's args with every
+DTensor replaced by its :class:`~dtshard.spec.TensorMeta`) and returns the valid strategies as
+``(output_placements, input_placements)`` pairs:
+
+- ``input_placements``: one placement per DTensor argument, in argument order (lists of tensors
+  flattened in place);
+- ``output_placements``: one per tensor output (a 1-tuple applies to every output).
+
+Rules are pure functions of metadata: no collectives, no mesh lookups, no tensor data.  The
+framework adds the all-Replicate strategy, expands the per-dim strategies over the mesh dims,
+prices each choice by the bytes its input redistributions move, checks it against the op's meta
+kernel on every distinct local shape (so an uneven layout can never be mislabelled), and caches
+the plan.  In-place (``op_``) and ``.out`` overloads derive from the functional op's rule.
+
+``shape_args`` names args that carry a GLOBAL output shape (``view``'s ``size``): the dispatcher
+replaces them by the local shape of the given output on each rank.
+
+A **handler** (``register_handler``) replaces the whole dispatch for ops whose math needs more than
+a placement choice (e.g. ``mean`` over an uneven shard, ``item``); it receives the DTensor args.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch.distributed.tensor.placement_types import Placement
+
+from dtshard.spec import TensorMeta
+
+__all__ = [
+    "OpCall",
+    "RuleEntry",
+    "Strategy",
+    "register_rule",
+    "register_handler",
+    "override",
+    "get_entry",
+    "registered_ops",
+]
+
+Strategy = tuple[tuple[Placement, ...], tuple[Placement, ...]]
+RuleFn = Callable[["OpCall"], Sequence[Strategy]]
+
+
+@dataclass(frozen=True)
+class OpCall:
+    """What a rule sees: the op, its args (DTensors as TensorMeta) and the flat tensor inputs."""
+
+    op: torch._ops.OpOverload
+    args: tuple
+    kwargs: dict
+    tensors: tuple[TensorMeta, ...]  # the DTensor args, flattened in argument order
+
+    def arg(self, index: int, name: str, default: Any = None) -> Any:
+        """Positional-or-keyword argument lookup (aten schemas allow both)."""
+        if index < len(self.args):
+            return self.args[index]
+        return self.kwargs.get(name, default)
+
+
+@dataclass
+class RuleEntry:
+    op: torch._ops.OpOverload
+    fn: Callable
+    kind: str  # "rule" | "handler"
+    shape_args: dict[int, int] = field(default_factory=dict)
+    source: str = ""
+
+
+_entries: dict[torch._ops.OpOverload, RuleEntry] = {}
+# Called after every registration change (the dispatcher clears its plan cache).
+_on_change: list[Callable[[], None]] = []
+
+
+def _changed() -> None:
+    for fn in _on_change:
+        fn()
+
+
+def _where(fn: Callable) -> str:
+    code = getattr(fn, "__code__", None)
+    return f"{code.co_filename}:{code.co_firstlineno}" if code else repr(fn)
+
+
+def _register(ops, fn, kind, shape_args=None) -> None:
+    if isinstance(ops, torch._ops.OpOverload):
+        ops = [ops]
+    for op in ops:
+        if not isinstance(op, torch._ops.OpOverload):
+            raise TypeError(
+                f"register_{kind} needs aten op overloads such as torch.ops.aten.mm.default, got {op!r}"
+            )
+        old = _entries.get(op)
+        if old is not None:
+            raise ValueError(
+                f"a {old.kind} for {op} is already registered at {old.source}; one op has one rule. "
+                f"Edit that one, or use dtshard.registry.override() in tests."
+            )
+        _entries[op] = RuleEntry(op, fn, kind, dict(shape_args or {}), _where(fn))
+    _changed()
+
+
+def register_rule(ops, *, shape_args: dict[int, int] | None = None) -> Callable[[RuleFn], RuleFn]:
+    """Decorator: register ``fn(call: OpCall) -> [(output_placements, input_placements), ...]``
+    as the single-mesh-dim sharding rule of one op overload (or a list of them).
+
+    Registering a second rule for the same op raises: use :func:`override` to swap one in tests.
+    """
+
+    def deco(fn: RuleFn) -> RuleFn:
+        _register(ops, fn, "rule", shape_args)
+        return fn
+
+    return deco
+
+
+def register_handler(ops) -> Callable:
+    """Decorator: ``fn(op, args, kwargs)`` runs the op on DTensor args itself (for ops whose math
+    needs more than a placement choice). It may call other ops on DTensors and redistribute."""
+
+    def deco(fn):
+        _register(ops, fn, "handler")
+        return fn
+
+    return deco
+
+
+@contextlib.contextmanager
+def override(op: torch._ops.OpOverload, fn: Callable, *, kind: str = "rule", shape_args=None) -> Iterator[None]:
+    """Temporarily replace (or add) the rule of ``op``; for tests."""
+    old = _entries.get(op)
+    _entries[op] = RuleEntry(op, fn, kind, dict(shape_args or {}), _where(fn))
+    _changed()
+    try:
+        yield
+    finally:
+        if old is None:
+            _entries.pop(op, None)
+        else:
+            _entries[op] = old
+        _changed()
+
+
+def get_entry(op: torch._ops.OpOverload) -> RuleEntry | None:
+    return _entries.get(op)
+
+
+def registered_ops() -> list[torch._ops.OpOverload]:
+    return list(_entries)

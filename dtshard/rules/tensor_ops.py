@@ -1,0 +1,95 @@
+"""Tensor plumbing: detach/alias/clone/_to_copy/copy, fills, *_like and new_* factories, item.
+
+These keep whatever layout their input has (any Shard, and Partial where the value stays a valid
+partial term: clone yes, ones_like no).  Factories that ignore the input's data (new_zeros, ...)
+accept the input in ANY placement, so the cheapest plan never moves it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+from dtshard.registry import OpCall, register_handler, register_rule
+from dtshard.rules._common import R
+
+aten = torch.ops.aten
+_PARTIALS = (Partial("sum"), Partial("avg"), Partial("max"), Partial("min"))
+
+
+def _same_layout(x, partials=_PARTIALS, n_in: int = 1):
+    strategies = [((Shard(d),), (Shard(d),) * n_in) for d in range(x.ndim)]
+    strategies += [((p,), (p,) * n_in) for p in partials]
+    return strategies
+
+
+@register_rule([aten.detach.default, aten.alias.default, aten.clone.default, aten._to_copy.default,
+                aten.lift_fresh.default])
+def identity_rule(call: OpCall):
+    return _same_layout(call.tensors[0])
+
+
+@register_rule(aten.copy.default)
+def copy_rule(call: OpCall):
+    # copy(self, src): src's values in self's shape (src broadcasts); in-place copy_ derives from it
+    dst, src = call.tensors[0], call.tensors[1]
+    strategies = []
+    for d in range(dst.ndim):
+        sd = d - (dst.ndim - src.ndim)
+        sp = Shard(sd) if sd >= 0 and src.shape[sd] == dst.shape[d] else R
+        strategies.append(((Shard(d),), (Shard(d), sp)))
+    if src.shape == dst.shape:
+        strategies += [((p,), (p, p)) for p in _PARTIALS]
+    return strategies
+
+
+def _any_input_to_replicate(x):
+    """(R out, p in) for every placement p: for results that never read the input's values."""
+    inputs = [Shard(d) for d in range(x.ndim)] + [Replicate(), *_PARTIALS]
+    return [((R,), (p,)) for p in inputs]
+
+
+@register_rule([aten.zeros_like.default, aten.zero.default])
+def zeros_like_rule(call: OpCall):
+    # zeros are a valid partial term of zeros; keep the input's layout, or replicate
+    return _same_layout(call.tensors[0]) + _any_input_to_replicate(call.tensors[0])
+
+
+@register_rule([aten.ones_like.default, aten.empty_like.default, aten.full_like.default])
+def filled_like_rule(call: OpCall):
+    # one value everywhere: keep a shard layout, or produce Replicate whatever the input is
+    # (a Partial(sum) of ones would sum to n)
+    return _same_layout(call.tensors[0], partials=()) + _any_input_to_replicate(call.tensors[0])
+
+
+@register_rule(aten.fill.Scalar)
+def fill_rule(call: OpCall):
+    # fill_ (derived in-place) must keep self's layout: a fill of a Partial(sum) is not a fill
+    return _same_layout(call.tensors[0], partials=(Partial("max"), Partial("min")))
+
+
+@register_rule([aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default,
+                aten.new_empty_strided.default], shape_args={1: 0})
+def new_factory_rule(call: OpCall):
+    # A fresh tensor of the given size. Same size as the input: keep its shard layout (autograd's
+    # gradient buffers rely on this); any size: Replicate, whatever the input's placement.
+    x = call.tensors[0]
+    strategies = _any_input_to_replicate(x)
+    if tuple(call.arg(1, "size")) == tuple(x.shape):
+        strategies += [((Shard(d),), (Shard(d),)) for d in range(x.ndim)]
+        if call.op in (aten.new_empty.default, aten.new_empty_strided.default, aten.new_zeros.default):
+            # uninitialised or zero values are valid partial terms
+            strategies += [((p,), (p,)) for p in _PARTIALS]
+    return strategies
+
+
+@register_handler(aten._local_scalar_dense.default)
+def item_handler(op, args, kwargs):
+    """``tensor.item()``: the global value (reduces a Partial, gathers a shard of one element)."""
+    x = args[0]
+    return x.full_tensor().item() if hasattr(x, "full_tensor") else op(x)
+
+
+@register_handler(aten.is_same_size.default)
+def is_same_size_handler(op, args, kwargs):
+    return tuple(args[0].shape) == tuple(args[1].shape)

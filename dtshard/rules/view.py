@@ -1,0 +1,186 @@
+"""View-like ops: view/_unsafe_view, expand, transpose/t/permute, unsqueeze/squeeze, slice,
+select, split, unbind.
+
+A sharded dim survives a reshape only when it is the outermost non-trivial dim of its group of
+merged/split dims (then every rank's data is one contiguous range of the new dim).  The dispatcher
+checks every such claim against the op's meta kernel on each distinct local shape, so a split that
+does not line up with the chunk layout (uneven shards) falls back to a correct plan instead of
+being mislabelled.  All views pass Partial through unchanged (they only rearrange elements).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor.placement_types import Partial, Shard
+
+from dtshard.registry import OpCall, register_rule
+from dtshard.rules._common import R, norm_dim
+
+aten = torch.ops.aten
+_PARTIALS = (Partial("sum"), Partial("avg"), Partial("max"), Partial("min"))
+
+
+def _partials(n_in: int = 1, n_out: int = 1):
+    return [((p,) * n_out, (p,) * n_in) for p in _PARTIALS]
+
+
+def _resolve_shape(shape, numel: int) -> list[int]:
+    shape = list(shape)
+    if -1 in shape:
+        k = shape.index(-1)
+        rest = 1
+        for j, v in enumerate(shape):
+            if j != k:
+                rest *= v
+        shape[k] = numel // rest if rest else 0
+    return shape
+
+
+def view_groups(src, dst) -> list[tuple[list[int], list[int]]]:
+    """Group dims of ``src`` and ``dst`` with equal products (shapes without zeros)."""
+    groups, i, j = [], 0, 0
+    while i < len(src) or j < len(dst):
+        ins, outs, pi, pj = [], [], 1, 1
+        if i < len(src):
+            ins.append(i)
+            pi *= src[i]
+            i += 1
+        if j < len(dst):
+            outs.append(j)
+            pj *= dst[j]
+            j += 1
+        while pi != pj:
+            if pi < pj and i < len(src):
+                ins.append(i)
+                pi *= src[i]
+                i += 1
+            elif j < len(dst):
+                outs.append(j)
+                pj *= dst[j]
+                j += 1
+            else:
+                break
+        groups.append((ins, outs))
+    return groups
+
+
+@register_rule([aten.view.default, aten._unsafe_view.default], shape_args={1: 0})
+def view_rule(call: OpCall):
+    x = call.tensors[0]
+    out_shape = _resolve_shape(call.arg(1, "size"), x.numel())
+    strategies = _partials()
+    if 0 in x.shape or 0 in out_shape:
+        return strategies
+    for ins, outs in view_groups(x.shape, out_shape):
+        first_in = next((d for d in ins if x.shape[d] != 1), None)
+        first_out = next((d for d in outs if out_shape[d] != 1), None)
+        if first_in is not None and first_out is not None:
+            strategies.append(((Shard(first_out),), (Shard(first_in),)))
+    return strategies
+
+
+@register_rule(aten.expand.default, shape_args={1: 0})
+def expand_rule(call: OpCall):
+    x = call.tensors[0]
+    size = list(call.arg(1, "size"))
+    lead = len(size) - x.ndim
+    out_shape = [x.shape[d - lead] if (v == -1 and d >= lead) else v for d, v in enumerate(size)]
+    strategies = _partials()
+    for d in range(len(out_shape)):
+        xd = d - lead
+        if xd >= 0 and x.shape[xd] == out_shape[d]:
+            strategies.append(((Shard(d),), (Shard(xd),)))
+        else:  # an expanded dim: each rank expands to its own chunk
+            strategies.append(((Shard(d),), (R,)))
+    return strategies
+
+
+def _dim_map_strategies(x, mapping: dict[int, int], partial: bool = True):
+    """Shard(in d) -> Shard(mapping[d]) for every mapped dim, plus Partial passthrough."""
+    strategies = _partials() if partial else []
+    for d, o in mapping.items():
+        strategies.append(((Shard(o),), (Shard(d),)))
+    return strategies
+
+
+@register_rule(aten.transpose.int)
+def transpose_rule(call: OpCall):
+    x = call.tensors[0]
+    n = max(x.ndim, 1)
+    a, b = norm_dim(call.arg(1, "dim0"), n), norm_dim(call.arg(2, "dim1"), n)
+    perm = list(range(x.ndim))
+    if x.ndim:
+        perm[a], perm[b] = perm[b], perm[a]
+    return _dim_map_strategies(x, {perm[o]: o for o in range(x.ndim)})
+
+
+@register_rule(aten.t.default)
+def t_rule(call: OpCall):
+    x = call.tensors[0]
+    return _dim_map_strategies(x, {0: 1, 1: 0} if x.ndim == 2 else {0: 0} if x.ndim == 1 else {})
+
+
+@register_rule(aten.permute.default)
+def permute_rule(call: OpCall):
+    x = call.tensors[0]
+    dims = [norm_dim(d, x.ndim) for d in call.arg(1, "dims")]
+    return _dim_map_strategies(x, {d: o for o, d in enumerate(dims)})
+
+
+@register_rule(aten.unsqueeze.default)
+def unsqueeze_rule(call: OpCall):
+    x = call.tensors[0]
+    u = norm_dim(call.arg(1, "dim"), x.ndim + 1)
+    return _dim_map_strategies(x, {d: d if d < u else d + 1 for d in range(x.ndim)})
+
+
+def _squeeze_map(x, dims) -> dict[int, int]:
+    dropped = [d for d in dims if x.shape[d] == 1]
+    return {d: d - sum(1 for r in dropped if r < d) for d in range(x.ndim) if d not in dropped}
+
+
+@register_rule(aten.squeeze.default)
+def squeeze_rule(call: OpCall):
+    x = call.tensors[0]
+    return _dim_map_strategies(x, _squeeze_map(x, range(x.ndim)))
+
+
+@register_rule(aten.squeeze.dim)
+def squeeze_dim_rule(call: OpCall):
+    x = call.tensors[0]
+    return _dim_map_strategies(x, _squeeze_map(x, [norm_dim(call.arg(1, "dim"), x.ndim)] if x.ndim else []))
+
+
+@register_rule(aten.squeeze.dims)
+def squeeze_dims_rule(call: OpCall):
+    x = call.tensors[0]
+    dims = [norm_dim(d, x.ndim) for d in call.arg(1, "dim")] if x.ndim else []
+    return _dim_map_strategies(x, _squeeze_map(x, dims))
+
+
+@register_rule(aten.slice.Tensor)
+def slice_rule(call: OpCall):
+    x = call.tensors[0]
+    dim = norm_dim(call.arg(1, "dim", 0), x.ndim)
+    return _dim_map_strategies(x, {d: d for d in range(x.ndim) if d != dim})
+
+
+@register_rule(aten.select.int)
+def select_rule(call: OpCall):
+    x = call.tensors[0]
+    dim = norm_dim(call.arg(1, "dim"), x.ndim)
+    return _dim_map_strategies(x, {d: d if d < dim else d - 1 for d in range(x.ndim) if d != dim})
+
+
+@register_rule([aten.split.Tensor, aten.split_with_sizes.default])
+def split_rule(call: OpCall):
+    x = call.tensors[0]
+    dim = norm_dim(call.arg(2, "dim", 0), x.ndim)
+    return _dim_map_strategies(x, {d: d for d in range(x.ndim) if d != dim})
+
+
+@register_rule(aten.unbind.int)
+def unbind_rule(call: OpCall):
+    x = call.tensors[0]
+    dim = norm_dim(call.arg(1, "dim", 0), x.ndim)
+    return _dim_map_strategies(x, {d: d if d < dim else d - 1 for d in range(x.ndim) if d != dim})

@@ -1,0 +1,228 @@
+"""DTensorSpec and the shard-layout arithmetic.
+
+A DTensor's layout is fully described by its spec: the mesh, one placement per mesh dim, and the
+global tensor's shape, stride and dtype.  Everything here is pure metadata (no tensors are
+touched), so rules, the planner and the tests can all reason about layouts without a process group.
+
+Layout convention (identical to ``torch.distributed.tensor`` so tensors convert without moving
+data): ``Shard(d)`` on a mesh dim of size ``n`` splits tensor dim ``d`` the way ``torch.chunk``
+does: chunk size ``ceil(N / n)``, so trailing ranks may hold a short or empty chunk.  When several
+mesh dims shard the same tensor dim, they apply in mesh-dim order: mesh dim 0 splits first, mesh
+dim 1 then splits each of those chunks, and so on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+__all__ = [
+    "DTensorSpec",
+    "TensorMeta",
+    "chunk_range",
+    "chunk_sizes",
+    "local_shape_and_offset",
+    "placement_str",
+    "placements_str",
+]
+
+
+def chunk_range(size: int, n: int, index: int) -> tuple[int, int]:
+    """Return ``(offset, length)`` of chunk ``index`` when ``size`` elements split in ``n``
+    chunks the way ``torch.chunk`` does (full chunks of ``ceil(size/n)``, then a short one,
+    then empty ones)."""
+    step = -(-size // n) if n else 0
+    start = min(index * step, size)
+    stop = min(start + step, size)
+    return start, stop - start
+
+
+def chunk_sizes(size: int, n: int) -> list[int]:
+    """Lengths of the ``n`` chunks of ``size`` elements (torch.chunk layout, empty chunks kept)."""
+    return [chunk_range(size, n, i)[1] for i in range(n)]
+
+
+def local_shape_and_offset(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    placements: Sequence[Placement],
+    coordinate: Sequence[int],
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shape and global offset of the local shard held at ``coordinate`` of the mesh."""
+    shape = list(global_shape)
+    offset = [0] * len(shape)
+    for mesh_dim, p in enumerate(placements):
+        if isinstance(p, Shard):
+            d = p.dim
+            start, length = chunk_range(shape[d], mesh_shape[mesh_dim], coordinate[mesh_dim])
+            offset[d] += start
+            shape[d] = length
+    return tuple(shape), tuple(offset)
+
+
+def placement_str(p: Placement) -> str:
+    """Short stable text of one placement: S(0), R, P(sum)."""
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Replicate):
+        return "R"
+    if isinstance(p, Partial):
+        return f"P({p.reduce_op})"
+    return repr(p)
+
+
+def placements_str(ps: Sequence[Placement]) -> str:
+    return "(" + ", ".join(placement_str(p) for p in ps) + ")"
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What a sharding rule sees of a tensor argument: global shape, stride and dtype."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True, eq=False)
+class DTensorSpec:
+    """Immutable description of a distributed tensor's layout.
+
+    Hash and equality cover (mesh, placements, shape, stride, dtype); the hash is computed once,
+    since specs are dispatch-cache keys on the hot path.
+    """
+
+    mesh: "torch.distributed.device_mesh.DeviceMesh"
+    placements: tuple[Placement, ...]
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self,
+            "_hash",
+            hash((id(self.mesh), self.placements, self.shape, self.stride, self.dtype)),
+        )
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, DTensorSpec)
+            and self._hash == other._hash
+            and self.mesh is other.mesh
+            and self.placements == other.placements
+            and self.shape == other.shape
+            and self.stride == other.stride
+            and self.dtype == other.dtype
+        )
+
+    # ---- derived metadata -------------------------------------------------------------------
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return tuple(self.mesh.shape)
+
+    @property
+    def tensor_meta(self) -> TensorMeta:
+        return TensorMeta(self.shape, self.stride, self.dtype)
+
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def nbytes(self) -> int:
+        return self.numel() * _itemsize(self.dtype)
+
+    def with_placements(self, placements: Sequence[Placement]) -> "DTensorSpec":
+        return DTensorSpec(self.mesh, tuple(placements), self.shape, self.stride, self.dtype)
+
+    def local_shape(self, coordinate: Sequence[int]) -> tuple[int, ...]:
+        return local_shape_and_offset(self.shape, self.mesh_shape, self.placements, coordinate)[0]
+
+    def local_shape_and_offset(self, coordinate: Sequence[int]):
+        return local_shape_and_offset(self.shape, self.mesh_shape, self.placements, coordinate)
+
+    def is_even(self) -> bool:
+        """True when every sharded dim splits into equal chunks (no padding anywhere)."""
+        shape = list(self.shape)
+        for mesh_dim, p in enumerate(self.placements):
+            if isinstance(p, Shard):
+                n = self.mesh_shape[mesh_dim]
+                if shape[p.dim] % n:
+                    return False
+                shape[p.dim] //= n
+        return True
+
+    def shard_mesh_dims(self, tensor_dim: int) -> list[int]:
+        """Mesh dims that shard ``tensor_dim``, outermost first."""
+        return [i for i, p in enumerate(self.placements) if isinstance(p, Shard) and p.dim == tensor_dim]
+
+    def __repr__(self) -> str:
+        return (
+            f"DTensorSpec(shape={tuple(self.shape)}, placements={placements_str(self.placements)}, "
+            f"mesh={tuple(self.mesh_shape)}, dtype={self.dtype})"
+        )
+
+
+_ITEMSIZE: dict[torch.dtype, int] = {}
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    size = _ITEMSIZE.get(dtype)
+    if size is None:
+        size = _ITEMSIZE[dtype] = torch.empty((), dtype=dtype).element_size()
+    return size
+
+
+def normalize_placements(placements: Sequence[Placement], ndim: int, mesh_ndim: int, *, what: str) -> tuple[Placement, ...]:
+    """Validate user placements (count, types, dims) and normalise negative shard dims."""
+    placements = tuple(placements)
+    if len(placements) != mesh_ndim:
+        raise ValueError(
+            f"{what}: got {len(placements)} placements {placements_str(placements)} for a "
+            f"{mesh_ndim}-D mesh; give exactly one placement per mesh dim."
+        )
+    out = []
+    for p in placements:
+        if isinstance(p, Shard):
+            d = p.dim
+            if not -max(ndim, 1) <= d < max(ndim, 1) or ndim == 0:
+                raise ValueError(
+                    f"{what}: placement Shard({d}) is out of range for a {ndim}-D tensor; "
+                    f"use a dim in [-{ndim}, {ndim})."
+                )
+            out.append(Shard(d % ndim) if d < 0 else p)
+        elif isinstance(p, Partial):
+            if p.reduce_op not in ("sum", "avg", "max", "min"):
+                raise ValueError(
+                    f"{what}: Partial({p.reduce_op!r}) is not supported; dtshard supports "
+                    "Partial('sum'), Partial('avg'), Partial('max') and Partial('min')."
+                )
+            out.append(p)
+        elif isinstance(p, Replicate):
+            out.append(p)
+        else:
+            raise TypeError(f"{what}: unsupported placement {p!r}; use Shard(d), Replicate() or Partial(op).")
+    return tuple(out)

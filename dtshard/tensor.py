@@ -1,0 +1,347 @@
+"""``dtshard.DTensor``: a tensor subclass holding this rank's shard of a global tensor.
+
+To the model code a DTensor behaves like the global tensor (shape, dtype, autograd); underneath,
+every aten op goes through :func:`dtshard.dispatch.dispatch`.  The public API mirrors
+``torch.distributed.tensor`` (same signatures, same chunk layout for uneven shards), so code written
+for it runs unchanged, and tensors convert both ways without moving data (:meth:`DTensor.from_torch`,
+:meth:`DTensor.to_torch`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+from dtshard import collectives as C
+from dtshard.dispatch import dispatch
+from dtshard.redistribute import redistribute_local
+from dtshard.spec import DTensorSpec, local_shape_and_offset, normalize_placements, placements_str
+
+__all__ = ["DTensor", "distribute_tensor", "distribute_module"]
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
+
+
+def _grad_placements(ps: Sequence[Placement]) -> tuple[Placement, ...]:
+    """Placements a gradient flowing back to a tensor with placements ``ps`` should take: the
+    gradient of every partial term is the whole gradient, so Partial becomes Replicate."""
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in ps)
+
+
+class DTensor(torch.Tensor):
+    """A distributed tensor: ``_local_tensor`` is this rank's shard, ``_spec`` the global layout."""
+
+    _local_tensor: torch.Tensor
+    _spec: DTensorSpec
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, local_tensor: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool):
+        r = torch.Tensor._make_wrapper_subclass(
+            cls,
+            spec.shape,
+            strides=spec.stride,
+            dtype=spec.dtype,
+            device=local_tensor.device,
+            layout=local_tensor.layout,
+            requires_grad=requires_grad,
+        )
+        r._local_tensor = local_tensor
+        r._spec = spec
+        return r
+
+    def __repr__(self) -> str:  # never gathers
+        return (
+            f"dtshard.DTensor(local={self._local_tensor}, shape={tuple(self._spec.shape)}, "
+            f"placements={placements_str(self._spec.placements)}, mesh={tuple(self._spec.mesh.shape)})"
+        )
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return dispatch(func, args, kwargs or {})
+
+    # ---- torch.compile support -----------------------------------------------------------
+    def __tensor_flatten__(self):
+        return ["_local_tensor"], self._spec
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, spec, outer_size, outer_stride):
+        local = inner_tensors["_local_tensor"]
+        if tuple(outer_size) != spec.shape or tuple(outer_stride) != spec.stride:
+            spec = DTensorSpec(spec.mesh, spec.placements, tuple(outer_size), tuple(outer_stride), spec.dtype)
+        return DTensor(local, spec, requires_grad=local.requires_grad)
+
+    def __coerce_tangent_metadata__(self):
+        # Tangents for AOTAutograd must not be Partial: reduce them to Replicate.
+        if not any(isinstance(p, Partial) for p in self._spec.placements):
+            return self
+        return self.redistribute(self._spec.mesh, _grad_placements(self._spec.placements))
+
+    # ---- public API ----------------------------------------------------------------------
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return self._spec.placements
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self._spec.mesh
+
+    @staticmethod
+    def from_local(
+        local_tensor: torch.Tensor,
+        device_mesh: Optional[DeviceMesh] = None,
+        placements: Optional[Sequence[Placement]] = None,
+        *,
+        run_check: bool = False,
+        shape: Optional[torch.Size] = None,
+        stride: Optional[tuple[int, ...]] = None,
+    ) -> "DTensor":
+        """Wrap this rank's ``local_tensor`` as the shard of a global tensor (differentiable).
+
+        Without ``shape``, shards are assumed even (global size = local size x mesh dim size on
+        each sharded dim), as in PyTorch.  Uneven layouts need ``shape``.  ``run_check=True``
+        gathers every rank's local shape and raises the same error on every rank when they do not
+        fit ``shape``/``placements`` (costs one collective).
+        """
+        if device_mesh is None:
+            raise ValueError("DTensor.from_local: pass device_mesh (dtshard has no implicit global mesh)")
+        if placements is None:
+            placements = [Replicate()] * device_mesh.ndim
+        placements = normalize_placements(placements, local_tensor.dim(), device_mesh.ndim, what="DTensor.from_local")
+        if shape is None:
+            gshape = list(local_tensor.shape)
+            for i, p in enumerate(placements):
+                if isinstance(p, Shard):
+                    gshape[p.dim] *= device_mesh.size(i)
+            shape = tuple(gshape)
+        shape = tuple(shape)
+        stride = tuple(stride) if stride is not None else _contiguous_stride(shape)
+        spec = DTensorSpec(device_mesh, tuple(placements), shape, stride, local_tensor.dtype)
+        if run_check:
+            _check_from_local(local_tensor, spec)
+        elif not torch.compiler.is_compiling():
+            want = spec.local_shape(C.mesh_coordinate(device_mesh))
+            if tuple(local_tensor.shape) != want:
+                raise ValueError(
+                    f"DTensor.from_local: this rank's local tensor has shape {tuple(local_tensor.shape)} "
+                    f"but global shape {shape} with placements {placements_str(placements)} on mesh "
+                    f"{tuple(device_mesh.shape)} gives it {want}; pass shape= for uneven shards."
+                )
+        return _FromLocal.apply(local_tensor, spec)
+
+    def to_local(self, *, grad_placements: Optional[Sequence[Placement]] = None) -> torch.Tensor:
+        """This rank's shard as a plain tensor (differentiable: the gradient is taken to have
+        ``grad_placements``, by default this tensor's placements)."""
+        if not torch.is_grad_enabled():
+            return self._local_tensor
+        return _ToLocal.apply(self, tuple(grad_placements) if grad_placements is not None else None)
+
+    def redistribute(
+        self,
+        device_mesh: Optional[DeviceMesh] = None,
+        placements: Optional[Sequence[Placement]] = None,
+        *,
+        async_op: bool = False,
+    ) -> "DTensor":
+        """Move the data to new placements on the same mesh (differentiable; minimum traffic)."""
+        mesh = device_mesh if device_mesh is not None else self._spec.mesh
+        if mesh is not self._spec.mesh:
+            raise ValueError(
+                f"redistribute: moving a DTensor of shape {tuple(self.shape)} to another mesh "
+                f"({tuple(self._spec.mesh.shape)} -> {tuple(mesh.shape)}) is not supported; "
+                "redistribute on its own mesh."
+            )
+        if placements is None:
+            raise ValueError("redistribute: pass the target placements")
+        placements = normalize_placements(placements, self.dim(), mesh.ndim, what="DTensor.redistribute")
+        if placements == self._spec.placements:
+            return self
+        return _Redistribute.apply(self, placements)
+
+    def full_tensor(self, *, grad_placements: Optional[Sequence[Placement]] = None) -> torch.Tensor:
+        """The whole global tensor on every rank (all-gathers / all-reduces as needed)."""
+        rep = self.redistribute(self._spec.mesh, [Replicate()] * self._spec.mesh.ndim)
+        return rep.to_local(grad_placements=grad_placements)
+
+    # ---- interop with torch.distributed.tensor ------------------------------------------
+    @staticmethod
+    def from_torch(dt) -> "DTensor":
+        """A dtshard DTensor with the same mesh, placements and local shard as a
+        ``torch.distributed.tensor.DTensor`` (no communication; differentiable)."""
+        return DTensor.from_local(
+            dt.to_local(), dt.device_mesh, dt.placements, shape=dt.shape, stride=dt.stride()
+        )
+
+    def to_torch(self):
+        """The equivalent ``torch.distributed.tensor.DTensor`` (no communication; differentiable)."""
+        from torch.distributed.tensor import DTensor as TorchDTensor
+
+        return TorchDTensor.from_local(
+            self.to_local(), self._spec.mesh, self._spec.placements, shape=self.shape, stride=self.stride()
+        )
+
+
+def _check_from_local(local: torch.Tensor, spec: DTensorSpec) -> None:
+    """Collective check of every rank's local shape; raises the same message on every rank."""
+    mesh = spec.mesh
+    info = (C.world_rank(), C.mesh_coordinate(mesh), tuple(local.shape), str(local.dtype))
+    # gather along each mesh dim in turn gives every rank the whole table
+    table = [info]
+    for i in range(mesh.ndim):
+        table = [x for part in C.all_gather_object(table, mesh, i) for x in part]
+    bad = []
+    for rank, coord, lshape, dtype in sorted(set(table)):
+        want = spec.local_shape(coord)
+        if lshape != want or dtype != str(spec.dtype):
+            bad.append(f"rank {rank} (mesh coordinate {coord}) has {lshape} {dtype}, expected {want} {spec.dtype}")
+    if bad:
+        raise ValueError(
+            f"DTensor.from_local(run_check=True): local shards do not form a tensor of shape "
+            f"{tuple(spec.shape)} with placements {placements_str(spec.placements)} on mesh "
+            f"{tuple(mesh.shape)}: " + "; ".join(bad)
+        )
+
+
+class _FromLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, spec: DTensorSpec):
+        ctx.spec = spec
+        # a fresh alias, so autograd sees a new tensor (as PyTorch's from_local does)
+        return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
+
+    @staticmethod
+    def backward(ctx, grad):
+        spec = ctx.spec
+        if not isinstance(grad, DTensor):
+            return grad, None
+        target = _grad_placements(spec.placements)
+        if grad._spec.placements != target:
+            grad = grad.redistribute(spec.mesh, target)
+        return grad.to_local(), None
+
+
+class _ToLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, dt: DTensor, grad_placements):
+        ctx.spec = dt._spec
+        ctx.grad_placements = grad_placements
+        return dt._local_tensor.view_as(dt._local_tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        spec = ctx.spec
+        placements = ctx.grad_placements or spec.placements
+        gspec = DTensorSpec(spec.mesh, tuple(placements), spec.shape, _contiguous_stride(spec.shape), grad.dtype)
+        return DTensor(grad, gspec, requires_grad=False), None
+
+
+class _Redistribute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, dt: DTensor, placements):
+        src = dt._spec
+        ctx.src = src
+        local = redistribute_local(dt._local_tensor, src, placements)
+        return DTensor(local, src.with_placements(placements), requires_grad=dt.requires_grad)
+
+    @staticmethod
+    def backward(ctx, grad):
+        src = ctx.src
+        if not isinstance(grad, DTensor):
+            raise TypeError("dtshard: the gradient of a DTensor redistribute must be a DTensor")
+        target = _grad_placements(src.placements)
+        return grad.redistribute(src.mesh, target), None
+
+
+# ---------------------------------------------------------------------------------------------
+# distribute_tensor / distribute_module
+# ---------------------------------------------------------------------------------------------
+
+
+def distribute_tensor(
+    tensor: torch.Tensor,
+    device_mesh: Optional[DeviceMesh] = None,
+    placements: Optional[Sequence[Placement]] = None,
+    *,
+    src_data_rank: Optional[int] = 0,
+) -> DTensor:
+    """Distribute a full tensor over ``device_mesh`` with ``placements``.
+
+    As in PyTorch, the data of the mesh's rank ``src_data_rank`` is used (broadcast along each mesh
+    dim); with ``src_data_rank=None`` every rank is trusted to hold the same tensor and only slices
+    locally (no communication).  The result is a leaf when ``tensor`` is (requires_grad kept).
+    """
+    if device_mesh is None:
+        raise ValueError("distribute_tensor: pass device_mesh")
+    if isinstance(tensor, DTensor):
+        raise ValueError("distribute_tensor: the tensor is already a DTensor; use .redistribute()")
+    placements = list(placements) if placements is not None else [Replicate()] * device_mesh.ndim
+    placements = normalize_placements(placements, tensor.dim(), device_mesh.ndim, what="distribute_tensor")
+    requires_grad = tensor.requires_grad
+    full = tensor.detach()
+    if src_data_rank is not None:
+        src_coord = _mesh_coord_of(device_mesh, src_data_rank)
+        for i in reversed(range(device_mesh.ndim)):
+            # after the step for mesh dim i, every rank whose coordinates before i equal src's
+            # holds src's data; after mesh dim 0, every rank does
+            full = C.broadcast(full, src_coord[i], device_mesh, i)
+    spec = DTensorSpec(device_mesh, tuple(Replicate() for _ in placements), tuple(full.shape),
+                       tuple(full.stride()) if full.is_contiguous() else _contiguous_stride(full.shape), full.dtype)
+    local = redistribute_local(full.contiguous(), spec, placements)
+    if local.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
+        local = local.clone()  # never alias the caller's tensor
+    return DTensor(local, spec.with_placements(placements), requires_grad=requires_grad)
+
+
+def _mesh_coord_of(mesh: DeviceMesh, rank: int) -> tuple[int, ...]:
+    idx = (mesh.mesh == rank).nonzero()
+    if idx.numel() == 0:
+        raise ValueError(f"src_data_rank={rank} is not a rank of mesh {mesh.mesh.tolist()}")
+    return tuple(int(v) for v in idx[0])
+
+
+def distribute_module(
+    module: torch.nn.Module,
+    device_mesh: Optional[DeviceMesh] = None,
+    partition_fn: Optional[Callable[[str, torch.nn.Module, DeviceMesh], None]] = None,
+    input_fn: Optional[Callable] = None,
+    output_fn: Optional[Callable] = None,
+) -> torch.nn.Module:
+    """Turn ``module``'s parameters and buffers into DTensors (PyTorch's signature).
+
+    ``partition_fn(name, submodule, mesh)`` may distribute parameters itself; whatever it leaves as
+    plain tensors is replicated.  ``input_fn(module, inputs, mesh)`` and
+    ``output_fn(module, outputs, mesh)`` become forward pre-/post-hooks.
+    """
+    if device_mesh is None:
+        raise ValueError("distribute_module: pass device_mesh")
+    rep = [Replicate()] * device_mesh.ndim
+
+    def replicate_rest(m: torch.nn.Module) -> None:
+        for key, param in list(m._parameters.items()):
+            if param is not None and not isinstance(param, DTensor):
+                m.register_parameter(
+                    key, torch.nn.Parameter(distribute_tensor(param.data, device_mesh, rep), param.requires_grad)
+                )
+        for key, buf in list(m._buffers.items()):
+            if buf is not None and not isinstance(buf, DTensor):
+                m._buffers[key] = distribute_tensor(buf, device_mesh, rep)
+
+    for name, sub in module.named_modules():
+        if partition_fn is not None:
+            partition_fn(name, sub, device_mesh)
+        replicate_rest(sub)
+    if input_fn is not None:
+        module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, device_mesh))
+    if output_fn is not None:
+        module.register_forward_hook(lambda mod, inputs, outputs: output_fn(mod, outputs, device_mesh))
+    return module
