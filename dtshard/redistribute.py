@@ -258,7 +258,8 @@ def _all_to_all(x, spec, state, i, coord, d, e):
     sizes_e = chunk_sizes(x.shape[e], n)
     piece = _with(x.shape, e, sizes_e[me])  # what each peer sends me, but for its dim-d length
     out_shape = _with(piece, d, sum(sizes_d))
-    if _numel_except(out_shape, d) == 0 or sum(sizes_d) == 0 or x.shape[e] == 0:
+    # skip the collective only on conditions every rank of the group agrees on
+    if _numel_except(x.shape, d, e) == 0 or sum(sizes_d) == 0 or x.shape[e] == 0:
         return x.new_zeros(out_shape)
     flat = _copied("pack", K.a2a_pack(x, e, sizes_e))
     per_e = _numel_except(x.shape, e)

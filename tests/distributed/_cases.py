@@ -1,0 +1,92 @@
+"""Helpers shared by the distributed tests: build DTensors with known local contents.
+
+Placements travel between processes as short strings ("S0", "R", "Psum") so test parameters stay
+readable in pytest ids and pickle trivially.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+import dtshard
+from dtshard.spec import DTensorSpec, local_shape_and_offset
+
+_meshes: dict = {}
+
+
+def mesh(shape) -> "dtshard.DeviceMesh":
+    """The (cached) mesh of this shape over the world; one mesh object per shape per process."""
+    shape = tuple(shape)
+    m = _meshes.get(shape)
+    if m is None:
+        m = _meshes[shape] = dtshard.init_device_mesh("cpu", shape)
+    return m
+
+
+def P(s: str):
+    """Parse one placement string: S<d>, R, P<op>."""
+    if s == "R":
+        return Replicate()
+    if s.startswith("S"):
+        return Shard(int(s[1:]))
+    if s.startswith("P"):
+        return Partial(s[1:] or "sum")
+    raise ValueError(s)
+
+
+def Ps(strs) -> list:
+    return [P(s) for s in strs]
+
+
+def global_tensor(shape, seed: int = 0, dtype=torch.float32) -> torch.Tensor:
+    """The same small-integer-valued tensor on every rank (exact in float32)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-8, 9, tuple(shape), generator=g).to(dtype)
+
+
+def local_part(full: torch.Tensor, m, placements, coord) -> torch.Tensor:
+    """What the rank at ``coord`` must hold: its shard slice, and for each Partial mesh dim a
+    nontrivial partial term (terms differ across the group and reduce to the value)."""
+    placements = list(placements)
+    shape, offset = local_shape_and_offset(full.shape, tuple(m.shape), placements, coord)
+    x = full
+    for d, (o, s) in enumerate(zip(offset, shape)):
+        x = x.narrow(d, o, s)
+    x = x.clone()
+    for i, p in enumerate(placements):
+        if isinstance(p, Partial):
+            n, c = m.size(i), coord[i]
+            g = torch.Generator().manual_seed(1000 + i)
+            z = torch.randint(0, 5, tuple(x.shape), generator=g).to(x.dtype)
+            if p.reduce_op == "sum":
+                # n*x terms: x/n would round; integers: term_0 = x - (n-1)*z, others z
+                x = x - (n - 1) * z if c == 0 else z
+            elif p.reduce_op == "avg":
+                x = x * n - (n - 1) * z if c == 0 else z
+            elif p.reduce_op == "max":
+                x = x - c * (z + 1)
+            elif p.reduce_op == "min":
+                x = x + c * (z + 1)
+    return x
+
+
+def make_dtensor(full: torch.Tensor, m, placements) -> "dtshard.DTensor":
+    coord = m.get_coordinate()
+    local = local_part(full, m, placements, coord)
+    return dtshard.DTensor.from_local(local, m, placements, shape=full.shape)
+
+
+def expected_local(full, m, placements) -> torch.Tensor:
+    return local_part(full, m, placements, m.get_coordinate())
+
+
+def all_coords(mesh_shape):
+    return itertools.product(*(range(n) for n in mesh_shape))
+
+
+def rank() -> int:
+    return dist.get_rank()
