@@ -22,7 +22,10 @@ _cache: dict[tuple, Plan] = {}
 _stats = {"hits": 0, "misses": 0}
 
 
-class MixedTensorError(TypeError):
+class MixedTensorError(RuntimeError):
+    """A plain (non-scalar) torch.Tensor met a DTensor. Not a TypeError: Tensor.__add__ & co.
+    turn TypeErrors into NotImplemented, which would hide this message."""
+
     pass
 
 
@@ -122,7 +125,7 @@ def dispatch(op, args: tuple, kwargs: dict):
     for idx, shape in plan.shape_overrides:
         largs[idx] = list(shape)
     lkwargs = {k: _local(v, locals_) for k, v in mkwargs.items()}
-    out = op(*largs, **lkwargs)
+    out = plan.local_op(*largs, **lkwargs)
 
     if plan.mode == "inplace":
         return args[0]

@@ -13,6 +13,7 @@ Runs only on a dispatch-cache miss.  Steps:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import warnings
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ class Plan:
     cost: float
     considered: tuple = ()  # [(cost, text)] of the choices looked at, for explain()
     fallback: bool = False
+    local_op: Any = None  # what runs on the local shards (the op itself unless the rule says)
 
     def describe(self, in_specs: Sequence[DTensorSpec]) -> str:
         lines = [f"{self.op}  cost={self.cost:.0f}B" + ("  (fallback to Replicate)" if self.fallback else "")]
@@ -339,7 +341,10 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
                 if idx < len(meta_args)
             )
             targets = tuple(None if t == s.placements else t for s, t in zip(specs, ins))
-            return Plan(op, targets, out_specs, overrides, mode, cost, tuple(considered), fallback)
+            local_op = op
+            if entry is not None and entry.local is not None:
+                local_op = functools.partial(entry.local, op)
+            return Plan(op, targets, out_specs, overrides, mode, cost, tuple(considered), fallback, local_op)
     raise RuntimeError(
         f"{_error_context(op, specs)}: no strategy passed the local shape check (not even "
         f"all-Replicate); this is a dtshard bug, please report it with this message."

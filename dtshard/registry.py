@@ -70,6 +70,7 @@ class RuleEntry:
     kind: str  # "rule" | "handler"
     shape_args: dict[int, int] = field(default_factory=dict)
     source: str = ""
+    local: Callable | None = None  # runs on the local shards instead of the op itself
 
 
 _entries: dict[torch._ops.OpOverload, RuleEntry] = {}
@@ -87,7 +88,7 @@ def _where(fn: Callable) -> str:
     return f"{code.co_filename}:{code.co_firstlineno}" if code else repr(fn)
 
 
-def _register(ops, fn, kind, shape_args=None) -> None:
+def _register(ops, fn, kind, shape_args=None, local=None) -> None:
     if isinstance(ops, torch._ops.OpOverload):
         ops = [ops]
     for op in ops:
@@ -101,19 +102,24 @@ def _register(ops, fn, kind, shape_args=None) -> None:
                 f"a {old.kind} for {op} is already registered at {old.source}; one op has one rule. "
                 f"Edit that one, or use dtshard.registry.override() in tests."
             )
-        _entries[op] = RuleEntry(op, fn, kind, dict(shape_args or {}), _where(fn))
+        _entries[op] = RuleEntry(op, fn, kind, dict(shape_args or {}), _where(fn), local)
     _changed()
 
 
-def register_rule(ops, *, shape_args: dict[int, int] | None = None) -> Callable[[RuleFn], RuleFn]:
+def register_rule(
+    ops, *, shape_args: dict[int, int] | None = None, local: Callable | None = None
+) -> Callable[[RuleFn], RuleFn]:
     """Decorator: register ``fn(call: OpCall) -> [(output_placements, input_placements), ...]``
     as the single-mesh-dim sharding rule of one op overload (or a list of them).
 
+    ``shape_args={arg index: output index}``: that arg is a global shape; each rank gets the local
+    shape of that output.  ``local(op, *args, **kwargs)``: run this on the local shards instead of
+    ``op`` (same math, e.g. a view that copies when a rank's local strides do not allow a view).
     Registering a second rule for the same op raises: use :func:`override` to swap one in tests.
     """
 
     def deco(fn: RuleFn) -> RuleFn:
-        _register(ops, fn, "rule", shape_args)
+        _register(ops, fn, "rule", shape_args, local)
         return fn
 
     return deco

@@ -93,3 +93,30 @@ def item_handler(op, args, kwargs):
 @register_handler(aten.is_same_size.default)
 def is_same_size_handler(op, args, kwargs):
     return tuple(args[0].shape) == tuple(args[1].shape)
+
+
+def _is_legacy_empty(t) -> bool:
+    return t.ndim == 1 and t.shape[0] == 0  # cat skips these
+
+
+@register_rule(aten.cat.default)
+def cat_rule(call: OpCall):
+    ts = call.tensors
+    ref = next((t for t in ts if not _is_legacy_empty(t)), ts[0])
+    dim = call.arg(1, "dim", 0) % max(ref.ndim, 1)
+    strategies = []
+    for d in range(ref.ndim):
+        if d != dim:
+            strategies.append(((Shard(d),), tuple(R if _is_legacy_empty(t) else Shard(d) for t in ts)))
+    strategies += [((p,), (p,) * len(ts)) for p in (Partial("sum"), Partial("avg"))]
+    return strategies
+
+
+@register_rule(aten.stack.default)
+def stack_rule(call: OpCall):
+    ts = call.tensors
+    ndim = ts[0].ndim
+    dim = call.arg(1, "dim", 0) % (ndim + 1)
+    strategies = [((Shard(d if d < dim else d + 1),), (Shard(d),) * len(ts)) for d in range(ndim)]
+    strategies += [((p,), (p,) * len(ts)) for p in (Partial("sum"), Partial("avg"))]
+    return strategies

@@ -64,7 +64,16 @@ def view_groups(src, dst) -> list[tuple[list[int], list[int]]]:
     return groups
 
 
-@register_rule([aten.view.default, aten._unsafe_view.default], shape_args={1: 0})
+def view_or_copy(op, x, size):
+    """The global tensor's strides decided that a view is possible; a rank's local strides (a
+    size-1 or empty shard) may not allow it. Then copy, as reshape would."""
+    try:
+        return op(x, size)
+    except RuntimeError:
+        return aten._unsafe_view.default(x.contiguous(), size)
+
+
+@register_rule([aten.view.default, aten._unsafe_view.default], shape_args={1: 0}, local=view_or_copy)
 def view_rule(call: OpCall):
     x = call.tensors[0]
     out_shape = _resolve_shape(call.arg(1, "size"), x.numel())
@@ -184,3 +193,18 @@ def unbind_rule(call: OpCall):
     x = call.tensors[0]
     dim = norm_dim(call.arg(1, "dim", 0), x.ndim)
     return _dim_map_strategies(x, {d: d if d < dim else d - 1 for d in range(x.ndim) if d != dim})
+
+
+@register_rule(aten.select_backward.default, shape_args={1: 0})
+def select_backward_rule(call: OpCall):
+    # grad of select: the grad embedded at `index` of a zero tensor of input_sizes (linear in grad)
+    g = call.tensors[0]
+    dim = norm_dim(call.arg(2, "dim"), g.ndim + 1)
+    return _dim_map_strategies(g, {d: d if d < dim else d + 1 for d in range(g.ndim)})
+
+
+@register_rule(aten.slice_backward.default, shape_args={1: 0})
+def slice_backward_rule(call: OpCall):
+    g = call.tensors[0]
+    dim = norm_dim(call.arg(2, "dim"), g.ndim)
+    return _dim_map_strategies(g, {d: d for d in range(g.ndim) if d != dim})
