@@ -105,8 +105,12 @@ class DTensor(torch.Tensor):
         run_check: bool = False,
         shape: Optional[torch.Size] = None,
         stride: Optional[tuple[int, ...]] = None,
+        grad_placements: Optional[Sequence[Placement]] = None,
     ) -> "DTensor":
         """Wrap this rank's ``local_tensor`` as the shard of a global tensor (differentiable).
+
+        In backward the gradient is redistributed to ``grad_placements`` (default: these
+        placements, with Partial as Replicate) before its local shard flows to ``local_tensor``.
 
         Without ``shape``, shards are assumed even (global size = local size x mesh dim size on
         each sharded dim), as in PyTorch.  Uneven layouts need ``shape``.  ``run_check=True``
@@ -137,7 +141,7 @@ class DTensor(torch.Tensor):
                     f"but global shape {shape} with placements {placements_str(placements)} on mesh "
                     f"{tuple(device_mesh.shape)} gives it {want}; pass shape= for uneven shards."
                 )
-        return _FromLocal.apply(local_tensor, spec)
+        return _FromLocal.apply(local_tensor, spec, tuple(grad_placements) if grad_placements is not None else None)
 
     def to_local(self, *, grad_placements: Optional[Sequence[Placement]] = None) -> torch.Tensor:
         """This rank's shard as a plain tensor (differentiable: the gradient is taken to have
@@ -214,8 +218,9 @@ def _check_from_local(local: torch.Tensor, spec: DTensorSpec) -> None:
 
 class _FromLocal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, local: torch.Tensor, spec: DTensorSpec):
+    def forward(ctx, local: torch.Tensor, spec: DTensorSpec, grad_placements):
         ctx.spec = spec
+        ctx.grad_placements = grad_placements
         # a fresh alias, so autograd sees a new tensor (as PyTorch's from_local does)
         return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
 
@@ -223,11 +228,11 @@ class _FromLocal(torch.autograd.Function):
     def backward(ctx, grad):
         spec = ctx.spec
         if not isinstance(grad, DTensor):
-            return grad, None
-        target = _grad_placements(spec.placements)
+            return grad, None, None
+        target = ctx.grad_placements or _grad_placements(spec.placements)
         if grad._spec.placements != target:
             grad = grad.redistribute(spec.mesh, target)
-        return grad.to_local(), None
+        return grad.to_local(), None, None
 
 
 class _ToLocal(torch.autograd.Function):

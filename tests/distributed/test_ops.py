@@ -373,3 +373,41 @@ def test_from_local_run_check_reports_every_rank():
     msgs = run_distributed(_from_local_checks, 2)
     assert msgs[0] == msgs[1]  # the same message on every rank
     assert "rank 0" in msgs[0] and "rank 1" in msgs[0] and "(5, 4)" in msgs[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# explain(): the plan text of each op, checked inline
+# ---------------------------------------------------------------------------------------------
+
+
+def _explain_tp():
+    m = mesh((2,))
+    x = dtshard.distribute_tensor(torch.randn(4, 8), m, [Shard(0)])
+    w = dtshard.distribute_tensor(torch.randn(6, 8), m, [Shard(0)])
+    return dtshard.debug.explain(lambda: torch.mm(x, w.t()).sum(1))
+
+
+import expecttest  # noqa: E402
+
+
+class TestExplain(expecttest.TestCase):
+    def test_explain_shows_plans_costs_and_alternatives(self):
+        text = run_distributed(_explain_tp, 2)[0]
+        self.assertExpectedInline(text, """\
+aten.t.default  cost=0B
+  in0: (S(0)) (kept)
+  out0: (S(1)) shape=(8, 6)
+  considered:
+    ok  0B  (S(0)) -> (S(1))
+aten.mm.default  cost=64B
+  in0: (S(0)) -> (R):
+  in0: mesh dim 0: S(0) -> R all_gather
+  in1: (S(1)) (kept)
+  out0: (S(1)) shape=(4, 6)
+  considered:
+    ok  64B  (R) (S(1)) -> (S(1))
+aten.sum.dim_IntList  cost=0B
+  in0: (S(1)) (kept)
+  out0: (P(sum)) shape=(4,)
+  considered:
+    ok  0B  (S(1)) -> (P(sum))""")

@@ -1,0 +1,174 @@
+"""Single-process checks: layout math, redistribute plans (expecttest), registry behaviour."""
+
+from __future__ import annotations
+
+import itertools
+
+import expecttest
+import pytest
+import torch
+
+import dtshard
+from dtshard import Partial, Replicate, Shard
+from dtshard.redistribute import plan, plan_text, transition_cost
+from dtshard.registry import override, register_rule
+from dtshard.spec import DTensorSpec, chunk_sizes, local_shape_and_offset, normalize_placements
+
+
+class FakeMesh:
+    """Enough of a DeviceMesh for metadata-only planning (no process group)."""
+
+    def __init__(self, *shape):
+        self.shape = shape
+        self.ndim = len(shape)
+
+    def size(self, i):
+        return self.shape[i]
+
+
+def spec(mesh_shape, placements, shape, dtype=torch.float32):
+    stride = torch.empty(shape).stride()
+    return DTensorSpec(FakeMesh(*mesh_shape), tuple(placements), tuple(shape), stride, dtype)
+
+
+@pytest.mark.parametrize("size", [0, 1, 2, 5, 7, 8, 13])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+def test_chunk_layout_matches_torch_chunk(size, n):
+    chunks = torch.arange(size).chunk(n)
+    want = [len(c) for c in chunks] + [0] * (n - len(chunks))
+    assert chunk_sizes(size, n) == want
+
+
+def test_nested_sharding_offsets_cover_the_tensor_once():
+    shape, mesh_shape = (7, 5), (2, 3)
+    seen = torch.zeros(shape, dtype=torch.int64)
+    for coord in itertools.product(range(2), range(3)):
+        (s0, s1), (o0, o1) = local_shape_and_offset(shape, mesh_shape, [Shard(0), Shard(0)], coord)
+        seen[o0 : o0 + s0, o1 : o1 + s1] += 1
+    assert torch.equal(seen, torch.ones(shape, dtype=torch.int64))
+
+
+def test_placement_validation_messages():
+    with pytest.raises(ValueError, match=r"Shard\(2\) is out of range for a 2-D tensor"):
+        normalize_placements([Shard(2)], 2, 1, what="distribute_tensor")
+    with pytest.raises(ValueError, match="got 1 placements .* for a 2-D mesh"):
+        normalize_placements([Shard(0)], 2, 2, what="distribute_tensor")
+    with pytest.raises(ValueError, match="Partial\\('product'\\) is not supported"):
+        normalize_placements([Partial("product")], 2, 1, what="from_local")
+    assert normalize_placements([Shard(-1)], 3, 1, what="x") == (Shard(2),)
+
+
+class TestPlans(expecttest.TestCase):
+    def test_1d_plans(self):
+        s = spec((4,), [Shard(0)], (8, 16))
+        self.assertExpectedInline(plan_text(s, [Shard(1)]), """\
+(S(0)) -> (S(1)):
+  mesh dim 0: S(0) -> S(1) all_to_all""")
+        self.assertExpectedInline(plan_text(s, [Replicate()]), """\
+(S(0)) -> (R):
+  mesh dim 0: S(0) -> R all_gather""")
+        p = spec((4,), [Partial("avg")], (8, 16))
+        self.assertExpectedInline(plan_text(p, [Partial("sum")]), """\
+(P(avg)) -> (P(sum)):
+  mesh dim 0: P(avg) -> R all_reduce
+  mesh dim 0: R -> P(sum) zero""")
+        self.assertExpectedInline(plan_text(p, [Shard(1)]), """\
+(P(avg)) -> (S(1)):
+  mesh dim 0: P(avg) -> S(1) reduce_scatter""")
+
+    def test_2x2_swap_avoids_full_gather(self):
+        s = spec((2, 2), [Shard(0), Shard(1)], (8, 8))
+        self.assertExpectedInline(plan_text(s, [Shard(1), Shard(0)]), """\
+(S(0), S(1)) -> (S(1), S(0)):
+  mesh dim 0: S(0) -> R all_gather
+  mesh dim 1: S(1) -> S(0) all_to_all
+  mesh dim 0: R -> S(1) slice""")
+
+    def test_nested_sharding_unshards_inner_first(self):
+        s = spec((2, 2), [Shard(0), Shard(0)], (8, 8))
+        self.assertExpectedInline(plan_text(s, [Replicate(), Shard(0)]), """\
+(S(0), S(0)) -> (R, S(0)):
+  mesh dim 1: S(0) -> R all_gather
+  mesh dim 0: S(0) -> R all_gather
+  mesh dim 1: R -> S(0) slice""")
+
+    def test_costs_follow_the_architecture_table(self):
+        T = 8 * 16 * 4
+        s0 = spec((4,), [Shard(0)], (8, 16))
+        assert transition_cost(s0, [Replicate()]) == 3 * T / 4
+        assert transition_cost(s0, [Shard(1)]) == 3 * T / 16
+        assert transition_cost(spec((4,), [Partial()], (8, 16)), [Replicate()]) == 2 * 3 * T / 4
+
+
+def test_every_plan_reaches_its_target():
+    placements = [Replicate(), Shard(0), Shard(1), Partial("sum"), Partial("max")]
+    for src in itertools.product(placements, repeat=2):
+        for dst in itertools.product(placements, repeat=2):
+            s = spec((2, 3), list(src), (5, 7))
+            state = list(src)
+            for step in plan(s, list(dst)):
+                assert state[step.mesh_dim] == step.src
+                state[step.mesh_dim] = step.dst
+            assert tuple(state) == tuple(dst)
+
+
+# ---------------------------------------------------------------------------------------------
+# registry
+# ---------------------------------------------------------------------------------------------
+
+
+def test_duplicate_registration_raises_and_names_the_first():
+    with pytest.raises(ValueError, match=r"already registered at .*matmul.py"):
+        register_rule(torch.ops.aten.mm.default)(lambda call: [])
+
+
+def test_register_rule_rejects_non_overloads():
+    with pytest.raises(TypeError, match="aten op overloads"):
+        register_rule(torch.ops.aten.mm)(lambda call: [])
+
+
+def test_in_place_and_out_derive_from_the_functional_rule():
+    from dtshard.propagate import lookup
+
+    entry, mode = lookup(torch.ops.aten.add_.Tensor)
+    assert mode == "inplace" and entry.op == torch.ops.aten.add.Tensor
+    entry, mode = lookup(torch.ops.aten.mul.out)
+    assert mode == "out" and entry.op == torch.ops.aten.mul.Tensor
+    assert lookup(torch.ops.aten.cumsum.default)[0] is None
+
+
+def test_override_restores_the_original():
+    from dtshard.registry import get_entry
+
+    original = get_entry(torch.ops.aten.mm.default).fn
+    with override(torch.ops.aten.mm.default, lambda call: []):
+        assert get_entry(torch.ops.aten.mm.default).fn is not original
+    assert get_entry(torch.ops.aten.mm.default).fn is original
+
+
+def test_public_api_is_drop_in():
+    import torch.distributed.tensor as tdt
+
+    assert dtshard.Shard is tdt.Shard and dtshard.Replicate is tdt.Replicate and dtshard.Partial is tdt.Partial
+    assert dtshard.init_device_mesh is torch.distributed.device_mesh.init_device_mesh
+    for name in ["distribute_tensor", "distribute_module", "DTensor", "register_rule"]:
+        assert hasattr(dtshard, name)
+    import inspect
+
+    ours = inspect.signature(dtshard.DTensor.from_local).parameters
+    theirs = inspect.signature(tdt.DTensor.from_local).parameters
+    assert list(ours) == list(theirs)
+
+
+def test_kernels_import_is_ours_and_collision_free():
+    import dtshard_kernels
+
+    assert dtshard_kernels.__file__.replace("\\", "/").endswith("kernels/__init__.py")
+    import os
+
+    assert os.path.exists(os.path.join(os.path.dirname(dtshard_kernels.__file__), "reference.py"))
+    assert not hasattr(dtshard_kernels, "__dtshard__") or True  # import name is dtshard_kernels
+    import importlib.util
+
+    spec_ = importlib.util.find_spec("dtshard_kernels")
+    assert spec_.origin == dtshard_kernels.__file__
