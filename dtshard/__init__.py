@@ -5,10 +5,11 @@ A drop-in for ``torch.distributed.tensor``: the same placements (``Shard``, ``Re
 ``__torch_dispatch__`` subclass whose every op goes through a sharding-rule registry.
 """
 
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from dtshard import rules as _rules  # noqa: F401  (registers the built-in rules)
+from dtshard.collectives import init_device_mesh
 from dtshard.propagate import NoRuleError, RuleError, config
 from dtshard.registry import OpCall, override, register_handler, register_rule
 from dtshard.spec import DTensorSpec, TensorMeta

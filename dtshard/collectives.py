@@ -17,7 +17,8 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import init_device_mesh as _torch_init_device_mesh
 
 __all__ = [
     "all_gather",
@@ -139,6 +140,30 @@ def all_gather_object(obj, mesh: DeviceMesh, mesh_dim: int) -> list:
     out = [None] * mesh.size(mesh_dim)
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def init_device_mesh(device_type: str, mesh_shape, *, mesh_dim_names=None, backend_override=None) -> DeviceMesh:
+    """PyTorch's ``init_device_mesh`` (same signature, returns its ``DeviceMesh``), except that
+    every mesh-dim process group inherits the default group's timeout.
+
+    PyTorch creates the sub-groups of an N-D mesh with its 30-minute default even when the world
+    group was given a short timeout, so one failing rank could block the others for half an hour.
+    """
+    if backend_override is None and dist.is_available() and dist.is_initialized():
+        default = dist.distributed_c10d._get_default_group()
+        backend = dist.get_backend(default)
+        options_cls = {"gloo": getattr(dist, "ProcessGroupGloo", None), "nccl": getattr(dist, "ProcessGroupNCCL", None)}.get(backend)
+        try:
+            timeout = default._get_backend(torch.device(device_type)).options._timeout
+            opts = options_cls._Options() if backend == "gloo" else options_cls.Options()
+            opts._timeout = timeout
+            backend_override = {i: (backend, opts) for i in range(len(tuple(mesh_shape)))}
+        except Exception:  # an unusual backend: keep PyTorch's defaults
+            backend_override = None
+    kwargs = {"mesh_dim_names": mesh_dim_names}
+    if backend_override is not None:
+        kwargs["backend_override"] = backend_override
+    return _torch_init_device_mesh(device_type, tuple(mesh_shape), **kwargs)
 
 
 def init_process_group(backend: str = "gloo", *, timeout_s: float = 60.0, **kwargs) -> None:

@@ -196,3 +196,17 @@ def test_redistribute_backward(src, dst):
 def test_redistribute_backward_2x2():
     assert all(run_distributed(_backward, 4, (2, 2), (5, 6), ("S0", "S1"), ("S1", "R")))
     assert all(run_distributed(_backward, 4, (2, 2), (5, 6), ("Psum", "S0"), ("S0", "S1")))
+
+
+def _mesh_group_timeouts():
+    m = dtshard.init_device_mesh("cpu", (2, 2))
+    return [str(m.get_group(i)._get_backend(torch.device("cpu")).options._timeout) for i in range(2)]
+
+
+def test_mesh_dim_groups_inherit_the_short_timeout():
+    """PyTorch would give 2-D mesh sub-groups 30 minutes; a failing rank must not block that long."""
+    import os
+
+    want = str(__import__("datetime").timedelta(seconds=float(os.environ.get("DTSHARD_TEST_PG_TIMEOUT", 30))))
+    for timeouts in run_distributed(_mesh_group_timeouts, 4):
+        assert timeouts == [want, want]
