@@ -116,7 +116,7 @@ class DTensorSpec:
         object.__setattr__(
             self,
             "_hash",
-            hash((id(self.mesh), self.placements, self.shape, self.stride, self.dtype)),
+            hash((_mesh_key(self.mesh), self.placements, self.shape, self.stride, self.dtype)),
         )
 
     def __hash__(self) -> int:
@@ -126,7 +126,7 @@ class DTensorSpec:
         return (
             isinstance(other, DTensorSpec)
             and self._hash == other._hash
-            and self.mesh is other.mesh
+            and (self.mesh is other.mesh or self.mesh == other.mesh)
             and self.placements == other.placements
             and self.shape == other.shape
             and self.stride == other.stride
@@ -187,6 +187,14 @@ class DTensorSpec:
 
 
 _ITEMSIZE: dict[torch.dtype, int] = {}
+
+
+def _mesh_key(mesh) -> int:
+    """A value hash of a mesh (equal meshes hash equal, e.g. a copy made by a compile guard)."""
+    try:
+        return hash(mesh)
+    except TypeError:
+        return hash(tuple(mesh.shape))
 
 
 def _itemsize(dtype: torch.dtype) -> int:

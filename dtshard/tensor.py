@@ -158,11 +158,13 @@ class DTensor(torch.Tensor):
         async_op: bool = False,
     ) -> "DTensor":
         """Move the data to new placements on the same mesh (differentiable; minimum traffic)."""
-        mesh = device_mesh if device_mesh is not None else self._spec.mesh
-        if mesh is not self._spec.mesh:
+        mesh = self._spec.mesh
+        # under torch.compile the mesh argument is an opaque proxy: the tensor's own mesh rules
+        if device_mesh is not None and device_mesh is not mesh and not torch.compiler.is_compiling() \
+                and device_mesh != mesh:
             raise ValueError(
                 f"redistribute: moving a DTensor of shape {tuple(self.shape)} to another mesh "
-                f"({tuple(self._spec.mesh.shape)} -> {tuple(mesh.shape)}) is not supported; "
+                f"({tuple(mesh.shape)} -> {tuple(device_mesh.shape)}) is not supported; "
                 "redistribute on its own mesh."
             )
         if placements is None:
