@@ -63,7 +63,7 @@ def _unwrap(op, a, dts: list, key: list, DT) -> Any:
         return a
     if isinstance(a, (list, tuple)):
         if any(isinstance(b, torch.Tensor) for b in a):
-            key.append(len(a))
+            key.append(("tensor list", len(a)))
             return type(a)(_unwrap(op, b, dts, key, DT) for b in a)
         key.append(tuple(a))
         return a
@@ -79,21 +79,98 @@ def _local(a, locals_: list) -> Any:
     return a
 
 
+_DT: Any = None  # dtshard.tensor.DTensor, bound by tensor.py (avoids an import per call)
+
+
+def bind_tensor_class(cls) -> None:
+    global _DT
+    _DT = cls
+
+
 def dispatch(op, args: tuple, kwargs: dict):
-    """Run aten ``op`` on DTensor arguments (called from DTensor.__torch_dispatch__)."""
-    from dtshard.tensor import DTensor
+    """Run aten ``op`` on DTensor arguments (called from DTensor.__torch_dispatch__).
 
-    entry = registry.get_entry(op)
-    if entry is not None and entry.kind == "handler":
-        return entry.fn(op, args, kwargs)
+    Fast path (a cache hit with flat arguments): one walk over the args builds the cache key and
+    the local args together; then the local call and the wrap.  Anything else (misses, tensor
+    lists, plain 0-d tensors, tensor kwargs) goes through :func:`_dispatch_general`, which builds
+    the same key.
+    """
+    handler = registry.handlers.get(op)
+    if handler is not None:
+        return handler(op, args, kwargs)
+    DT = _DT
+    key: list = [op]
+    largs: list = []
+    pos: list = []  # index in largs of each DTensor arg
+    dts: list = []
+    for a in args:
+        if isinstance(a, DT):
+            key.append(a._spec)
+            pos.append(len(largs))
+            dts.append(a)
+            largs.append(a._local_tensor)
+        elif isinstance(a, torch.Tensor):
+            return _dispatch_general(op, args, kwargs)
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, torch.Tensor):
+                    return _dispatch_general(op, args, kwargs)
+            key.append(tuple(a))
+            largs.append(a)
+        else:
+            key.append(a)
+            largs.append(a)
+    for k, v in kwargs.items():
+        if isinstance(v, (torch.Tensor, list, tuple)):
+            return _dispatch_general(op, args, kwargs)
+        key.append(k)
+        key.append(v)
+    try:
+        plan = _cache.get(tuple(key))
+    except TypeError:
+        plan = None
+    if plan is None or plan.mode == "out":
+        return _dispatch_general(op, args, kwargs)
+    _stats["hits"] += 1
+    if _trace.plan_observers:
+        _observe(op, plan, [d._spec for d in dts])
+    if plan.redistributes:
+        for k, t in enumerate(plan.input_targets):
+            if t is not None:
+                largs[pos[k]] = _redistribute_input(op, dts[k], t)
+    for idx, shape in plan.shape_overrides:
+        largs[idx] = list(shape)
+    out = plan.local_op(*largs, **kwargs)
+    if plan.mode == "inplace":
+        return args[0]
+    if type(out) is torch.Tensor:
+        return DT(out, plan.out_specs[0], requires_grad=False)
+    return _wrap(out, iter(plan.out_specs), DT)
 
+
+def _observe(op, plan, specs) -> None:
+    for obs in _trace.plan_observers:
+        obs(str(op), plan, specs)
+
+
+def _redistribute_input(op, dt, target):
+    prev = _trace.current_op[0]
+    _trace.current_op[0] = str(op)  # CommCounter attributes the traffic to this op
+    try:
+        return redistribute_local(dt._local_tensor, dt._spec, target)
+    finally:
+        _trace.current_op[0] = prev
+
+
+def _dispatch_general(op, args: tuple, kwargs: dict):
+    DT = _DT
     dts: list = []
     key: list = [op]
-    margs = [_unwrap(op, a, dts, key, DTensor) for a in args]
+    margs = [_unwrap(op, a, dts, key, DT) for a in args]
     mkwargs = {}
     for k, v in kwargs.items():
         key.append(k)
-        mkwargs[k] = _unwrap(op, v, dts, key, DTensor)
+        mkwargs[k] = _unwrap(op, v, dts, key, DT)
     try:
         tkey = tuple(key)
         plan = _cache.get(tkey)
@@ -108,19 +185,13 @@ def dispatch(op, args: tuple, kwargs: dict):
     else:
         _stats["hits"] += 1
     if _trace.plan_observers:
-        for obs in _trace.plan_observers:
-            obs(str(op), plan, specs)
+        _observe(op, plan, specs)
 
     # redistribute inputs (below autograd: the op's own backward formula handles gradients)
-    prev_op = _trace.current_op[0]
-    _trace.current_op[0] = str(op)
-    try:
-        locals_ = [
-            d._local_tensor if t is None else redistribute_local(d._local_tensor, d._spec, t)
-            for d, t in zip(dts, plan.input_targets)
-        ]
-    finally:
-        _trace.current_op[0] = prev_op
+    locals_ = [
+        d._local_tensor if t is None else _redistribute_input(op, d, t)
+        for d, t in zip(dts, plan.input_targets)
+    ]
     largs = [_local(a, locals_) for a in margs]
     for idx, shape in plan.shape_overrides:
         largs[idx] = list(shape)
@@ -133,7 +204,7 @@ def dispatch(op, args: tuple, kwargs: dict):
         out_names = [a.name for a in op._schema.arguments if a.is_out]
         res = tuple(kwargs[n] for n in out_names)
         return res[0] if len(res) == 1 else res
-    return _wrap(out, iter(plan.out_specs), DTensor)
+    return _wrap(out, iter(plan.out_specs), DT)
 
 
 def _wrap(out, specs, DT):

@@ -64,6 +64,13 @@ class Plan:
     fallback: bool = False
     local_op: Any = None  # what runs on the local shards (the op itself unless the rule says)
 
+    @property
+    def redistributes(self) -> bool:
+        return self._redistributes
+
+    def __post_init__(self) -> None:
+        self._redistributes = any(t is not None for t in self.input_targets)
+
     def describe(self, in_specs: Sequence[DTensorSpec]) -> str:
         lines = [f"{self.op}  cost={self.cost:.0f}B" + ("  (fallback to Replicate)" if self.fallback else "")]
         for k, (spec, tgt) in enumerate(zip(in_specs, self.input_targets)):

@@ -74,11 +74,15 @@ class RuleEntry:
 
 
 _entries: dict[torch._ops.OpOverload, RuleEntry] = {}
+#: op -> handler function, for the dispatcher's first lookup (kept in sync with _entries)
+handlers: dict[torch._ops.OpOverload, Callable] = {}
 # Called after every registration change (the dispatcher clears its plan cache).
 _on_change: list[Callable[[], None]] = []
 
 
 def _changed() -> None:
+    handlers.clear()
+    handlers.update({op: e.fn for op, e in _entries.items() if e.kind == "handler"})
     for fn in _on_change:
         fn()
 

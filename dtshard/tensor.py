@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from dtshard import collectives as C
-from dtshard.dispatch import dispatch
+from dtshard.dispatch import bind_tensor_class, dispatch
 from dtshard.redistribute import redistribute_local
 from dtshard.spec import DTensorSpec, local_shape_and_offset, normalize_placements, placements_str
 
@@ -216,6 +216,9 @@ def _check_from_local(local: torch.Tensor, spec: DTensorSpec) -> None:
             f"{tuple(spec.shape)} with placements {placements_str(spec.placements)} on mesh "
             f"{tuple(mesh.shape)}: " + "; ".join(bad)
         )
+
+
+bind_tensor_class(DTensor)
 
 
 class _FromLocal(torch.autograd.Function):
