@@ -13,6 +13,7 @@ all_gather ``(n-1) * input``, reduce_scatter ``(n-1)/n * input``, all_reduce ``2
 from __future__ import annotations
 
 import datetime
+import weakref
 from typing import Sequence
 
 import torch
@@ -38,18 +39,20 @@ _fc = torch.ops._c10d_functional
 
 from dtshard._trace import comm_observers as _observers
 
-_group_names: dict[tuple[int, int], tuple[str, int]] = {}
-_coordinates: dict[int, tuple[int, ...]] = {}
+# Per-mesh caches, keyed by id() but checked against a weak reference: a mesh that was freed can
+# leave its id to a new mesh, which must not inherit the old process groups.
+_group_names: dict[tuple[int, int], tuple] = {}
+_coordinates: dict[int, tuple] = {}
 
 
 def _group(mesh: DeviceMesh, mesh_dim: int) -> tuple[str, int]:
     """(process group name, group size) of one mesh dim, cached per mesh object."""
     key = (id(mesh), mesh_dim)
     hit = _group_names.get(key)
-    if hit is None:
+    if hit is None or hit[0]() is not mesh:
         group = mesh.get_group(mesh_dim)
-        hit = _group_names[key] = (group.group_name, mesh.size(mesh_dim))
-    return hit
+        hit = _group_names[key] = (weakref.ref(mesh), (group.group_name, mesh.size(mesh_dim)))
+    return hit[1]
 
 
 def _notify(kind: str, mesh_dim: int, nbytes: int, group_size: int) -> None:
@@ -62,17 +65,17 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def mesh_coordinate(mesh: DeviceMesh) -> tuple[int, ...]:
-    """This rank's coordinate on ``mesh`` (cached)."""
-    coord = _coordinates.get(id(mesh))
-    if coord is None:
+    """This rank's coordinate on ``mesh`` (cached per mesh object)."""
+    hit = _coordinates.get(id(mesh))
+    if hit is None or hit[0]() is not mesh:
         c = mesh.get_coordinate()
         if c is None:
             raise RuntimeError(
                 f"rank {dist.get_rank()} is not part of mesh {mesh}; dtshard tensors live only on "
                 "the ranks of their mesh."
             )
-        coord = _coordinates[id(mesh)] = tuple(c)
-    return coord
+        hit = _coordinates[id(mesh)] = (weakref.ref(mesh), tuple(c))
+    return hit[1]
 
 
 def mesh_dim_rank(mesh: DeviceMesh, mesh_dim: int) -> int:

@@ -279,6 +279,8 @@ def _slice(x, spec, i, me, d):
 
 def _run_step(x: torch.Tensor, spec: DTensorSpec, state: list, step: Step, coord) -> torch.Tensor:
     i, src, dst, kind = step.mesh_dim, step.src, step.dst, step.kind
+    if spec.mesh_shape[i] == 1:
+        return x  # one rank on this mesh dim: every transition is the identity
     if kind == "all_gather":
         return _all_gather(x, spec, state, i, coord, src.dim)
     if kind == "all_reduce":

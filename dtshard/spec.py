@@ -13,6 +13,7 @@ dim 1 then splits each of those chunks, and so on.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -116,7 +117,7 @@ class DTensorSpec:
         object.__setattr__(
             self,
             "_hash",
-            hash((_mesh_key(self.mesh), self.placements, self.shape, self.stride, self.dtype)),
+            hash((mesh_identity(self.mesh), self.placements, self.shape, self.stride, self.dtype)),
         )
 
     def __hash__(self) -> int:
@@ -126,7 +127,7 @@ class DTensorSpec:
         return (
             isinstance(other, DTensorSpec)
             and self._hash == other._hash
-            and (self.mesh is other.mesh or self.mesh == other.mesh)
+            and (self.mesh is other.mesh or mesh_identity(self.mesh) == mesh_identity(other.mesh))
             and self.placements == other.placements
             and self.shape == other.shape
             and self.stride == other.stride
@@ -189,12 +190,27 @@ class DTensorSpec:
 _ITEMSIZE: dict[torch.dtype, int] = {}
 
 
-def _mesh_key(mesh) -> int:
-    """A value hash of a mesh (equal meshes hash equal, e.g. a copy made by a compile guard)."""
+def mesh_identity(mesh) -> tuple:
+    """What makes two mesh objects the same mesh: layout AND process groups.
+
+    Two ``init_device_mesh`` calls with one layout compare equal in PyTorch but own different
+    process groups; a deepcopy (compile guards make them) keeps the groups.  Cached per object.
+    """
+    hit = _mesh_ids.get(id(mesh))
+    if hit is not None and hit[0]() is mesh:
+        return hit[1]
     try:
-        return hash(mesh)
+        ident = (hash(mesh), tuple(getattr(mesh, "_dim_group_names", None) or ()))
     except TypeError:
-        return hash(tuple(mesh.shape))
+        ident = (tuple(mesh.shape), id(mesh))
+    try:
+        _mesh_ids[id(mesh)] = (weakref.ref(mesh), ident)
+    except TypeError:  # not weak-referenceable: do not cache
+        pass
+    return ident
+
+
+_mesh_ids: dict[int, tuple] = {}
 
 
 def _itemsize(dtype: torch.dtype) -> int:
