@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import warnings
 from typing import Sequence
 
 import torch
@@ -76,6 +77,8 @@ def _load_triton():
             _triton_mod = importlib.import_module(".triton", __name__)
         except Exception as e:  # ImportError, or a broken triton install
             _triton_err = e
+            warnings.warn(f"dtshard_kernels: the Triton backend is unavailable ({e!r}); "
+                          f"using the PyTorch reference", RuntimeWarning, stacklevel=3)
     return _triton_mod
 
 
