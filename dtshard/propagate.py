@@ -24,7 +24,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from dtshard import redistribute as R
 from dtshard.registry import OpCall, RuleEntry, get_entry
-from dtshard.spec import DTensorSpec, TensorMeta, local_shape_and_offset, placements_str
+from dtshard.spec import DTensorSpec, TensorMeta, local_shape_and_offset, mesh_identity, placements_str
 
 __all__ = ["Plan", "propagate", "NoRuleError", "RuleError", "config"]
 
@@ -250,7 +250,7 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
     mesh = specs[0].mesh
     mesh_shape = tuple(mesh.shape)
     for s in specs[1:]:
-        if s.mesh is not mesh:
+        if s.mesh is not mesh and mesh_identity(s.mesh) != mesh_identity(mesh):
             raise ValueError(
                 f"{_error_context(op, specs)}: DTensor inputs live on different meshes "
                 f"({tuple(mesh.shape)} vs {tuple(s.mesh.shape)}); redistribute them onto one mesh first."

@@ -14,7 +14,7 @@ dim 1 then splits each of those chunks, and so on.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -111,22 +111,20 @@ class DTensorSpec:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
-    _hash: int = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(
-            self,
-            "_hash",
-            hash((mesh_identity(self.mesh), self.placements, self.shape, self.stride, self.dtype)),
-        )
 
     def __hash__(self) -> int:
-        return self._hash
+        # computed once, lazily (a spec built while torch.compile traces may hold proxies), and
+        # kept as a plain attribute, not a dataclass field: compile rebuilds specs from fields
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((mesh_identity(self.mesh), self.placements, self.shape, self.stride, self.dtype))
+            object.__setattr__(self, "_hash", h)
+        return h
 
     def __eq__(self, other: object) -> bool:
         return (
             isinstance(other, DTensorSpec)
-            and self._hash == other._hash
+            and hash(self) == hash(other)
             and (self.mesh is other.mesh or mesh_identity(self.mesh) == mesh_identity(other.mesh))
             and self.placements == other.placements
             and self.shape == other.shape
@@ -200,7 +198,8 @@ def mesh_identity(mesh) -> tuple:
     if hit is not None and hit[0]() is mesh:
         return hit[1]
     try:
-        ident = (hash(mesh), tuple(getattr(mesh, "_dim_group_names", None) or ()))
+        names = getattr(mesh, "_dim_group_names", None)
+        ident = (hash(mesh), tuple(names) if names is not None else ())
     except TypeError:
         ident = (tuple(mesh.shape), id(mesh))
     try:

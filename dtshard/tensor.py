@@ -81,6 +81,16 @@ class DTensor(torch.Tensor):
             spec = DTensorSpec(spec.mesh, spec.placements, tuple(outer_size), tuple(outer_stride), spec.dtype)
         return DTensor(local, spec, requires_grad=local.requires_grad)
 
+    def __coerce_same_metadata_as_tangent__(self, flatten_spec, expected_type=None):
+        # AOTAutograd traced the backward for a tangent with ``flatten_spec`` (our spec); the
+        # gradient that arrives at run time may have other placements (e.g. Partial): move it.
+        if expected_type is not None and expected_type is not DTensor:
+            return None
+        spec = flatten_spec
+        if spec.placements == self._spec.placements:
+            return self
+        return self.redistribute(self._spec.mesh, spec.placements)
+
     def __coerce_tangent_metadata__(self):
         # Tangents for AOTAutograd must not be Partial: reduce them to Replicate.
         if not any(isinstance(p, Partial) for p in self._spec.placements):
