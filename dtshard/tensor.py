@@ -189,6 +189,51 @@ class DTensor(torch.Tensor):
         rep = self.redistribute(self._spec.mesh, [Replicate()] * self._spec.mesh.ndim)
         return rep.to_local(grad_placements=grad_placements)
 
+    # ---- torch.distributed.checkpoint (DCP) protocol ---------------------------------------
+    # DCP saves each rank's chunk (offsets and sizes in the global tensor) and, on load, copies
+    # the overlapping parts of the saved chunks into each rank's local tensor, so a checkpoint
+    # loads into any other sharding and any number of ranks. Replicated chunks are deduplicated
+    # by DCP's planner.
+
+    def _check_checkpointable(self) -> None:
+        if any(isinstance(p, Partial) for p in self._spec.placements):
+            raise ValueError(
+                f"dtshard: cannot checkpoint a DTensor of shape {tuple(self.shape)} with Partial "
+                f"placements {placements_str(self._spec.placements)} (its value is a pending "
+                "reduction); redistribute it to Replicate or Shard first."
+            )
+
+    def _chunk(self):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        self._check_checkpointable()
+        sizes, offsets = self._spec.local_shape_and_offset(C.mesh_coordinate(self._spec.mesh))
+        return ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+
+    def __create_write_items__(self, fqn: str, obj):
+        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        chunk = self._chunk()
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, chunk.offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=chunk,
+                    properties=TensorProperties.create_from_tensor(self._local_tensor),
+                    size=self.size(),
+                ),
+            )
+        ]
+
+    def __create_chunk_list__(self):
+        return [self._chunk()]
+
+    def __get_tensor_shard__(self, index):
+        self._check_checkpointable()
+        return self._local_tensor
+
     # ---- interop with torch.distributed.tensor ------------------------------------------
     @staticmethod
     def from_torch(dt) -> "DTensor":
