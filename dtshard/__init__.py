@@ -9,6 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from dtshard import rules as _rules  # noqa: F401  (registers the built-in rules)
+from dtshard import debug  # noqa: F401  (dtshard.debug.*)
 from dtshard.collectives import init_device_mesh
 from dtshard.propagate import NoRuleError, RuleError, config
 from dtshard.registry import OpCall, override, register_handler, register_rule
@@ -28,6 +29,7 @@ __all__ = [
     "Shard",
     "TensorMeta",
     "config",
+    "debug",
     "distribute_module",
     "distribute_tensor",
     "init_device_mesh",

@@ -14,10 +14,13 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterator
 
+from torch.distributed.tensor.placement_types import Replicate as _Replicate
+from torch.distributed.tensor.placement_types import Shard as _Shard
+
 from dtshard import _trace
 from dtshard.spec import placements_str
 
-__all__ = ["CommCounter", "CommRecord", "CopyCounter", "explain", "plan_log"]
+__all__ = ["CommCounter", "CommRecord", "CopyCounter", "explain", "plan_log", "visualize_sharding"]
 
 
 @dataclass(frozen=True)
@@ -134,3 +137,84 @@ def explain(fn, *args, **kwargs) -> str:
 
 def describe_spec(spec) -> str:
     return f"{tuple(spec.shape)} {placements_str(spec.placements)} on mesh {tuple(spec.mesh.shape)}"
+
+
+def _ranges(spec, coord) -> list[tuple[int, int]]:
+    shape, offset = spec.local_shape_and_offset(coord)
+    return [(o, o + s) for o, s in zip(offset, shape)]
+
+
+def visualize_sharding(dt, *, path: str | None = None) -> str:
+    """Which rank holds which index range of ``dt``, as text (metadata only, no communication).
+
+    1-D and N-D tensors: one row per rank with its coordinate, index ranges and placement;
+    2-D tensors also get a grid of row x column blocks naming the ranks that hold each block.
+    With ``path``, also draws the 2-D layout to a PNG (needs matplotlib: ``pip install
+    dtshard[plot]``).
+    """
+    import itertools
+
+    spec = dt._spec
+    mesh = spec.mesh
+    mesh_shape = tuple(mesh.shape)
+    ranks = mesh.mesh.flatten().tolist()
+    partial = [i for i, p in enumerate(spec.placements) if not isinstance(p, (_Shard, _Replicate))]
+    lines = [f"DTensor {tuple(spec.shape)} {placements_str(spec.placements)} on mesh {mesh_shape}"]
+    table = []
+    for k, coord in enumerate(itertools.product(*(range(n) for n in mesh_shape))):
+        rng = _ranges(spec, coord)
+        text = ", ".join(f"{a}:{b}" for a, b in rng) if rng else "scalar"
+        table.append((ranks[k], coord, rng, text))
+    width = max(len(t[3]) for t in table)
+    lines.append(f"{'rank':>4}  {'coord':<{2 + 3 * len(mesh_shape)}}  {'indices':<{width}}")
+    for rank, coord, _, text in table:
+        note = "  (partial term)" if partial else ""
+        lines.append(f"{rank:>4}  {str(coord):<{2 + 3 * len(mesh_shape)}}  {text:<{width}}{note}")
+    if spec.ndim == 2:
+        rows = sorted({r[0] for _, _, r, _ in table})
+        cols = sorted({r[1] for _, _, r, _ in table})
+        cells = {}
+        for rank, _, (rr, cc), _ in table:
+            cells.setdefault((rr, cc), []).append(str(rank))
+        col_text = [f"{a}:{b}" for a, b in cols]
+        cw = max([len(c) for c in col_text] + [len(",".join(v)) for v in cells.values()])
+        rw = max(len(f"{a}:{b}") for a, b in rows)
+        lines.append("")
+        lines.append(" " * rw + " | " + " | ".join(f"{c:^{cw}}" for c in col_text))
+        for rr in rows:
+            row = [",".join(cells.get((rr, cc), [])) or "-" for cc in cols]
+            lines.append(f"{rr[0]}:{rr[1]}".rjust(rw) + " | " + " | ".join(f"{v:^{cw}}" for v in row))
+    text = "\n".join(lines)
+    if path is not None:
+        _draw(table, spec, path)
+    return text
+
+
+def _draw(table, spec, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Rectangle
+    except ImportError as e:  # optional extra
+        raise ImportError("visualize_sharding(path=...) needs matplotlib: pip install 'dtshard[plot]'") from e
+    if spec.ndim != 2:
+        raise ValueError(f"visualize_sharding(path=...) draws 2-D tensors; this one is {spec.ndim}-D")
+    rows, cols = spec.shape
+    fig, ax = plt.subplots(figsize=(5, 5 * max(rows, 1) / max(cols, 1) + 0.5))
+    cmap = plt.get_cmap("tab20")
+    holders: dict = {}
+    for rank, _, ((r0, r1), (c0, c1)), _ in table:
+        holders.setdefault((r0, r1, c0, c1), []).append(rank)
+    for k, ((r0, r1, c0, c1), rs) in enumerate(sorted(holders.items())):
+        ax.add_patch(Rectangle((c0, r0), c1 - c0, r1 - r0, facecolor=cmap(k % 20), edgecolor="black"))
+        if r1 > r0 and c1 > c0:
+            ax.text((c0 + c1) / 2, (r0 + r1) / 2, "rank " + ",".join(map(str, rs)), ha="center", va="center")
+    ax.set_xlim(0, cols)
+    ax.set_ylim(rows, 0)
+    ax.set_xlabel("dim 1")
+    ax.set_ylabel("dim 0")
+    ax.set_title(f"{tuple(spec.shape)} {placements_str(spec.placements)} mesh {tuple(spec.mesh.shape)}")
+    fig.savefig(path, dpi=80, bbox_inches="tight")
+    plt.close(fig)

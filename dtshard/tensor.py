@@ -18,7 +18,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from dtshard import collectives as C
 from dtshard.dispatch import bind_tensor_class, dispatch
 from dtshard.redistribute import redistribute_local
-from dtshard.spec import DTensorSpec, local_shape_and_offset, normalize_placements, placements_str
+from dtshard.spec import DTensorSpec, local_shape_and_offset, mesh_identity, normalize_placements, placements_str
 
 __all__ = ["DTensor", "distribute_tensor", "distribute_module"]
 
@@ -171,7 +171,7 @@ class DTensor(torch.Tensor):
         mesh = self._spec.mesh
         # under torch.compile the mesh argument is an opaque proxy: the tensor's own mesh rules
         if device_mesh is not None and device_mesh is not mesh and not torch.compiler.is_compiling() \
-                and device_mesh != mesh:
+                and mesh_identity(device_mesh) != mesh_identity(mesh):
             raise ValueError(
                 f"redistribute: moving a DTensor of shape {tuple(self.shape)} to another mesh "
                 f"({tuple(mesh.shape)} -> {tuple(device_mesh.shape)}) is not supported; "
@@ -260,16 +260,22 @@ def _check_from_local(local: torch.Tensor, spec: DTensorSpec) -> None:
     table = [info]
     for i in range(mesh.ndim):
         table = [x for part in C.all_gather_object(table, mesh, i) for x in part]
-    bad = []
-    for rank, coord, lshape, dtype in sorted(set(table)):
+    rows, bad = [], False
+    table = sorted(set(table))
+    dtype0 = table[0][3]
+    for rank, coord, lshape, dtype in table:
         want = spec.local_shape(coord)
-        if lshape != want or dtype != str(spec.dtype):
-            bad.append(f"rank {rank} (mesh coordinate {coord}) has {lshape} {dtype}, expected {want} {spec.dtype}")
+        ok = lshape == want and dtype == dtype0
+        bad = bad or not ok
+        rows.append(
+            f"rank {rank} (mesh coordinate {coord}) has {lshape} {dtype}"
+            + ("" if ok else f" but needs {want} {dtype0}")
+        )
     if bad:
         raise ValueError(
-            f"DTensor.from_local(run_check=True): local shards do not form a tensor of shape "
+            f"DTensor.from_local(run_check=True): the local shards do not form a tensor of shape "
             f"{tuple(spec.shape)} with placements {placements_str(spec.placements)} on mesh "
-            f"{tuple(mesh.shape)}: " + "; ".join(bad)
+            f"{tuple(mesh.shape)}: " + "; ".join(rows)
         )
 
 

@@ -1,0 +1,51 @@
+"""Debug views print what users need, checked as inline expectations."""
+
+from __future__ import annotations
+
+import expecttest
+import torch
+
+import dtshard
+from dtshard import Partial, Replicate, Shard
+from dtshard.testing import run_distributed
+
+
+def _views(path):
+    mesh = dtshard.init_device_mesh("cpu", (2, 2))
+    a = dtshard.distribute_tensor(torch.zeros(5, 8), mesh, [Shard(0), Shard(1)])
+    b = dtshard.DTensor.from_local(torch.ones(3), mesh, [Replicate(), Partial()])
+    with dtshard.debug.CommCounter() as comm:
+        a.redistribute(mesh, [Replicate(), Shard(0)])
+    return (dtshard.debug.visualize_sharding(a, path=path), dtshard.debug.visualize_sharding(b),
+            comm.summary())
+
+
+class TestDebugViews(expecttest.TestCase):
+    def test_visualize_sharding_and_comm_summary(self):
+        import os
+        import tempfile
+
+        path = os.path.join(tempfile.mkdtemp(), "layout.png")
+        grid, partial, summary = run_distributed(_views, 4, path)[0]
+        self.assertExpectedInline(grid, """\
+DTensor (5, 8) (S(0), S(1)) on mesh (2, 2)
+rank  coord     indices 
+   0  (0, 0)    0:3, 0:4
+   1  (0, 1)    0:3, 4:8
+   2  (1, 0)    3:5, 0:4
+   3  (1, 1)    3:5, 4:8
+
+    | 0:4 | 4:8
+0:3 |  0  |  1 
+3:5 |  2  |  3 """)
+        self.assertExpectedInline(partial, """\
+DTensor (3,) (R, P(sum)) on mesh (2, 2)
+rank  coord     indices
+   0  (0, 0)    0:3  (partial term)
+   1  (0, 1)    0:3  (partial term)
+   2  (1, 0)    0:3  (partial term)
+   3  (1, 1)    0:3  (partial term)""")
+        self.assertExpectedInline(summary, """\
+<redistribute>: all_gather x1 on mesh dim 0, 48 bytes
+<redistribute>: all_to_all x1 on mesh dim 1, 32 bytes""")
+        assert os.path.getsize(path) > 1000  # a PNG was drawn
