@@ -33,21 +33,60 @@ class CommRecord:
 
 
 class CommCounter:
-    """Context manager recording every collective issued by dtshard on this rank."""
+    """Context manager recording every collective issued by dtshard on this rank.
 
-    def __init__(self) -> None:
+    ``CommCounter(module=model)`` also attributes each collective to the innermost submodule
+    whose forward is running (forward hooks; backward and other traffic is attributed to
+    "<outside module forwards>"),
+    see :meth:`by_module`.
+    """
+
+    def __init__(self, module=None) -> None:
         self.records: list[CommRecord] = []
+        self.modules: list[str] = []  # parallel to records
+        self._module = module
+        self._stack: list[str] = []
+        self._handles: list = []
 
     def _observe(self, kind: str, mesh_dim: int, nbytes: int, group_size: int) -> None:
         self.records.append(CommRecord(_trace.current_op[0], kind, mesh_dim, nbytes, group_size))
+        self.modules.append(self._stack[-1] if self._stack else "<outside module forwards>" if self._module else "")
 
     def __enter__(self) -> "CommCounter":
         _trace.comm_observers.append(self._observe)
+        if self._module is not None:
+            for name, sub in self._module.named_modules():
+                label = name or type(self._module).__name__
+                self._handles.append(sub.register_forward_pre_hook(self._enter_module(label)))
+                self._handles.append(sub.register_forward_hook(self._exit_module))
         return self
 
     def __exit__(self, *exc) -> bool:
         _trace.comm_observers.remove(self._observe)
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
         return False
+
+    def _enter_module(self, label: str):
+        def hook(module, args) -> None:  # returning None keeps the inputs
+            self._stack.append(label)
+
+        return hook
+
+    def _exit_module(self, module, args, output) -> None:  # returning None keeps the output
+        self._stack.pop()
+
+    def by_module(self) -> str:
+        """One line per (module, collective kind): count and bytes, in first-seen order."""
+        agg: dict = {}
+        for mod, r in zip(self.modules, self.records):
+            a = agg.setdefault((mod, r.kind), [0, 0])
+            a[0] += 1
+            a[1] += r.nbytes
+        if not agg:
+            return "no collectives"
+        return "\n".join(f"{mod}: {kind} x{n}, {b} bytes" for (mod, kind), (n, b) in agg.items())
 
     def count(self, kind: str | None = None) -> int:
         return sum(1 for r in self.records if kind is None or r.kind == kind)

@@ -24,6 +24,7 @@ redistributes the gradient back to the source placements (the dual collective).
 from __future__ import annotations
 
 import heapq
+import logging
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -230,9 +231,25 @@ def _all_gather(x, spec, state, i, coord, d):
     if even:
         buf = x.unsqueeze(0)
     else:
+        _note_padding(spec, d, sizes)
         buf = _copied("pack", K.pack(x, d, [x.shape[d]], block))  # pad to the largest chunk
     gathered = C.all_gather(buf, spec.mesh, i)  # (n, *block shape)
     return _copied("unpack", K.unpack(gathered, d, sizes))
+
+
+_logger = logging.getLogger("dtshard")
+_padding_noted: set = set()
+
+
+def _note_padding(spec: DTensorSpec, dim: int, sizes) -> None:
+    """Log once per (shape, placements, dim) that an uneven layout pads for a collective."""
+    key = (spec.shape, spec.placements, dim)
+    if key not in _padding_noted:
+        _padding_noted.add(key)
+        _logger.info(
+            "dtshard: uneven shards %s of dim %d of a %s %s tensor are padded to %d for an all_gather "
+            "(logged once per layout)", sizes, dim, tuple(spec.shape), placements_str(spec.placements), max(sizes)
+        )
 
 
 def _reduce_scatter(x, spec, i, me, op, d):

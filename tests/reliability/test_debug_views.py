@@ -49,3 +49,26 @@ rank  coord     indices
 <redistribute>: all_gather x1 on mesh dim 0, 48 bytes
 <redistribute>: all_to_all x1 on mesh dim 1, 32 bytes""")
         assert os.path.getsize(path) > 1000  # a PNG was drawn
+
+
+def _per_module():
+    mesh = dtshard.init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    net[0].weight = torch.nn.Parameter(dtshard.distribute_tensor(net[0].weight.detach(), mesh, [Shard(0)]))
+    net[0].bias = torch.nn.Parameter(dtshard.distribute_tensor(net[0].bias.detach(), mesh, [Shard(0)]))
+    net[2].weight = torch.nn.Parameter(dtshard.distribute_tensor(net[2].weight.detach(), mesh, [Shard(1)]))
+    net[2].bias = torch.nn.Parameter(dtshard.distribute_tensor(net[2].bias.detach(), mesh, [Replicate()]))
+    x = dtshard.distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)])  # batch-sharded input
+    with dtshard.debug.CommCounter(module=net) as comm:
+        y = net(x).redistribute(mesh, [Replicate()])
+        y.to_local().sum().backward()
+    return comm.by_module()
+
+
+class TestPerModule(expecttest.TestCase):
+    def test_comm_counter_per_module(self):
+        self.assertExpectedInline(run_distributed(_per_module, 2)[0], """\
+0: all_gather x1, 32 bytes
+<outside module forwards>: all_reduce x1, 64 bytes
+<outside module forwards>: all_gather x1, 32 bytes""")
