@@ -151,12 +151,14 @@ class DTensor(torch.Tensor):
                     f"but global shape {shape} with placements {placements_str(placements)} on mesh "
                     f"{tuple(device_mesh.shape)} gives it {want}; pass shape= for uneven shards."
                 )
+        if not (local_tensor.requires_grad and torch.is_grad_enabled()):
+            return DTensor(local_tensor.view_as(local_tensor), spec, requires_grad=False)
         return _FromLocal.apply(local_tensor, spec, tuple(grad_placements) if grad_placements is not None else None)
 
     def to_local(self, *, grad_placements: Optional[Sequence[Placement]] = None) -> torch.Tensor:
         """This rank's shard as a plain tensor (differentiable: the gradient is taken to have
         ``grad_placements``, by default this tensor's placements)."""
-        if not torch.is_grad_enabled():
+        if not (self.requires_grad and torch.is_grad_enabled()):
             return self._local_tensor
         return _ToLocal.apply(self, tuple(grad_placements) if grad_placements is not None else None)
 
@@ -182,6 +184,10 @@ class DTensor(torch.Tensor):
         placements = normalize_placements(placements, self.dim(), mesh.ndim, what="DTensor.redistribute")
         if placements == self._spec.placements:
             return self
+        if not (self.requires_grad and torch.is_grad_enabled()):
+            src = self._spec
+            return DTensor(redistribute_local(self._local_tensor, src, placements), src.with_placements(placements),
+                           requires_grad=False)
         return _Redistribute.apply(self, placements)
 
     def full_tensor(self, *, grad_placements: Optional[Sequence[Placement]] = None) -> torch.Tensor:
