@@ -228,12 +228,16 @@ def _all_gather(x, spec, state, i, coord, d):
     even = all(s == block for s in sizes)
     if even and d == 0:
         return C.all_gather(x, spec.mesh, i)  # lands in place: no copy at all
-    if even:
-        buf = x.unsqueeze(0)
+    if x.shape[d] == block:
+        buf = x.unsqueeze(0)  # a full chunk needs no padding
     else:
         _note_padding(spec, d, sizes)
-        buf = _copied("pack", K.pack(x, d, [x.shape[d]], block))  # pad to the largest chunk
+        buf = _copied("pack", K.pack(x, d, [x.shape[d]], block))  # pad the short chunk
     gathered = C.all_gather(buf, spec.mesh, i)  # (n, *block shape)
+    if d == 0:
+        # torch.chunk layout: full chunks first, then one short chunk, then empty ones, so all
+        # padding sits after the data: a narrow of the gathered buffer is the result
+        return gathered.view(-1, *gathered.shape[2:]).narrow(0, 0, sum(sizes))
     return _copied("unpack", K.unpack(gathered, d, sizes))
 
 
