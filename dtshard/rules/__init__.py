@@ -6,9 +6,11 @@ To add a rule see CONTRIBUTING.md: pick the family file, write a function of an 
 """
 
 from dtshard.rules import (  # noqa: F401  (imported for their registrations)
+    conv,
     loss,
     matmul,
     norm,
+    pool,
     pointwise,
     reduction,
     tensor_ops,

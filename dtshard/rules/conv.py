@@ -1,0 +1,428 @@
+"""Convolution (and ``constant_pad_nd``) over DTensors, including spatially sharded inputs.
+
+``aten.convolution`` and ``aten.convolution_backward`` are handlers, because a spatially sharded
+input needs a halo exchange (:mod:`dtshard.halo`, arithmetic in docs/HALO.md), not only a
+placement choice.  The handler picks, for each mesh dim, one *mode* from the placements of the
+input ``x`` and the weight ``w``, redistributes the tensors to what that mode needs, runs the
+local op and wraps the result:
+
+==========  =====================  ======  =====  =====  =======  ======  ======  ======  ======
+mode        when (x, w)            x       w      bias   out      g_out   g_in    g_w     g_b
+==========  =====================  ======  =====  =====  =======  ======  ======  ======  ======
+batch       x S(0)                 S(0)    R      R      S(0)     S(0)    S(0)    P       P
+spatial     x S(d), d >= 2         S(d)    R      R      S(d)*    S(d)*   S(d)    P       P
+inch        x S(1) or w S(1), g=1  S(1)    S(1)   P      P        R       S(1)    S(1)    R
+xpartial    x P(sum)               P       R      P      P        R       R       P       R
+outch       x R, w S(0), g=1       R       S(0)   S(0)   S(1)     S(1)    P       S(0)    S(0)
+wpartial    x R, w P(sum)          R       P      P      P        R       P       R       R
+rep         anything else          R       R      R      R        R       R       R       R
+==========  =====================  ======  =====  =====  =======  ======  ======  ======  ======
+
+(``P`` is ``Partial("sum")``; ``*``: the chunk layout of the OUTPUT length.)  A bias that must be
+``P`` is zero on every rank but the first of the group (an exact R -> P).  Transposed convolutions
+use batch / xpartial / rep only.  A spatial dim sharded by two mesh dims keeps the outer one and
+replicates the inner.  Mixed layouts (batch on mesh dim 0 and H on mesh dim 1, H and W on a 2-D
+mesh, channels and H, ...) combine per mesh dim.
+
+Spatial mode, forward: for each spatially sharded dim in mesh-dim order the rank exchanges halos
+(``halo.exchange``: it receives exactly the window ``[lo, hi)`` its output chunk ``[a, b)`` reads,
+zero-padded only at the global edges), then runs the local convolution with padding 0 on the
+sharded dims (the original padding elsewhere), which yields exactly ``b - a`` outputs per dim.
+Backward uses HALO.md scheme (A): the input window is rebuilt (only when ``grad_weight`` needs
+it), the local ``convolution_backward`` gives the gradient of the window, and ``halo.accumulate``
+(in reverse mesh-dim order) sends the halo parts back to their owners, who add them.  grad_weight
+and grad_bias are Partial(sum) over the spatial (and batch) mesh dims: each output position is
+computed by exactly one rank, so the local contributions sum to the full gradient.
+
+``padding='same'`` with an even kernel arrives as ``constant_pad_nd`` (asymmetric, one extra
+element on the right) followed by a symmetric convolution; its handler here shifts a sharded dim
+with the same window exchange (kernel 1, stride 1, left padding = the pad), so the padded tensor
+keeps ``Shard(d)`` in the chunk layout of the new length.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+from dtshard import _trace, halo
+from dtshard import collectives as C
+from dtshard.redistribute import redistribute_local
+from dtshard.registry import register_handler
+from dtshard.spec import DTensorSpec
+
+aten = torch.ops.aten
+
+__all__ = ["convolution_handler", "convolution_backward_handler", "constant_pad_nd_handler"]
+
+R = Replicate()
+PSUM = Partial("sum")
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers shared with pool.py
+# ---------------------------------------------------------------------------------------------
+
+
+def bind(op, args: Sequence, kwargs: dict) -> list:
+    """All arguments of ``op`` in schema order (defaults filled in)."""
+    out = []
+    for k, a in enumerate(op._schema.arguments):
+        if k < len(args):
+            out.append(args[k])
+        elif a.name in kwargs:
+            out.append(kwargs[a.name])
+        elif a.has_default_value():
+            out.append(a.default_value)
+        else:
+            raise TypeError(f"{op}: missing argument {a.name!r}")
+    return out
+
+
+def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(tuple(shape)):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
+
+
+def make_spec(mesh, placements, shape, dtype) -> DTensorSpec:
+    shape = tuple(int(s) for s in shape)
+    return DTensorSpec(mesh, tuple(placements), shape, contiguous_stride(shape), dtype)
+
+
+def expand_list(v, n: int) -> list[int]:
+    """An int or a 1-element list broadcast to ``n`` ints (aten allows both)."""
+    if isinstance(v, int):
+        return [v] * n
+    v = [int(x) for x in v]
+    return v * n if len(v) == 1 else v
+
+
+def check_dtensors(op, tensors: Sequence) -> None:
+    """Plain (non-0-d) tensors mixed with DTensors: the dispatcher's clear error."""
+    from dtshard.dispatch import _mixed_error
+    from dtshard.tensor import DTensor
+
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
+            raise _mixed_error(op, t)
+
+
+def to_local(dt, target: Sequence[Placement]) -> torch.Tensor:
+    """``dt``'s local tensor redistributed to ``target`` (below autograd: no graph)."""
+    target = tuple(target)
+    if target == dt._spec.placements:
+        return dt._local_tensor
+    return redistribute_local(dt._local_tensor, dt._spec, target)
+
+
+def wrap(local: torch.Tensor, spec: DTensorSpec):
+    from dtshard.tensor import DTensor
+
+    return DTensor(local, spec, requires_grad=False)
+
+
+class op_context:
+    """Attribute collectives issued inside a handler to ``op`` (CommCounter's per-op view)."""
+
+    def __init__(self, op) -> None:
+        self.name = str(op)
+
+    def __enter__(self):
+        self.prev = _trace.current_op[0]
+        _trace.current_op[0] = self.name
+
+    def __exit__(self, *exc):
+        _trace.current_op[0] = self.prev
+        return False
+
+
+_meta_cache: dict = {}
+
+
+def _meta_key(a):
+    if isinstance(a, torch.Tensor):
+        return ("T", tuple(a.shape), a.dtype)
+    if isinstance(a, (list, tuple)):
+        return tuple(_meta_key(b) for b in a)
+    return a
+
+
+def meta_run(op, *args, **kwargs):
+    """Run ``op`` on meta tensors (DTensors replaced by meta tensors of their global shape): the
+    global output metadata, and the error plain PyTorch would raise.  Cached per (op, shapes,
+    dtypes, non-tensor args), so a handler's hot path skips it."""
+    from dtshard.tensor import DTensor
+
+    key = (op, _meta_key(args), _meta_key(tuple(sorted(kwargs.items()))))
+    hit = _meta_cache.get(key)
+    if hit is not None:
+        return hit
+
+    def conv(a):
+        if isinstance(a, DTensor):
+            return torch.empty(a.shape, dtype=a.dtype, device="meta")
+        if isinstance(a, torch.Tensor):
+            return a.to("meta")
+        if isinstance(a, (list, tuple)):
+            return type(a)(conv(b) for b in a)
+        return a
+
+    out = op(*[conv(a) for a in args], **{k: conv(v) for k, v in kwargs.items()})
+    if len(_meta_cache) > 4096:
+        _meta_cache.clear()
+    _meta_cache[key] = out
+    return out
+
+
+def spatial_shards(placements: Sequence[Placement], first_spatial: int, ndim: int) -> dict[int, int]:
+    """``{mesh dim: tensor dim}`` of the mesh dims that shard a spatial dim (``>= first_spatial``),
+    keeping only the OUTERMOST mesh dim per tensor dim (inner ones get replicated)."""
+    out: dict[int, int] = {}
+    seen: set[int] = set()
+    for i, p in enumerate(placements):
+        if isinstance(p, Shard) and first_spatial <= p.dim < ndim and p.dim not in seen:
+            seen.add(p.dim)
+            out[i] = p.dim
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# modes
+# ---------------------------------------------------------------------------------------------
+
+# mode -> (x, w, bias, out, g_out, g_in, g_w, g_b); "S" marks the spatial Shard(d) of that mesh dim
+_TABLE = {
+    "batch": (Shard(0), R, R, Shard(0), Shard(0), Shard(0), PSUM, PSUM),
+    "spatial": ("S", R, R, "S", "S", "S", PSUM, PSUM),
+    "inch": (Shard(1), Shard(1), PSUM, PSUM, R, Shard(1), Shard(1), R),
+    "xpartial": (PSUM, R, PSUM, PSUM, R, R, PSUM, R),
+    "outch": (R, Shard(0), Shard(0), Shard(1), Shard(1), PSUM, Shard(0), Shard(0)),
+    "wpartial": (R, PSUM, PSUM, PSUM, R, PSUM, R, R),
+    "rep": (R, R, R, R, R, R, R, R),
+}
+_COL = {name: k for k, name in enumerate(("x", "w", "bias", "out", "g_out", "g_in", "g_w", "g_b"))}
+
+
+def conv_modes(x_spec: DTensorSpec, w_spec: DTensorSpec, transposed: bool, groups: int) -> list[tuple[str, int]]:
+    """One ``(mode, spatial tensor dim or -1)`` per mesh dim (see the module docstring)."""
+    spatial = spatial_shards(x_spec.placements, 2, x_spec.ndim)
+    modes = []
+    for i, (px, pw) in enumerate(zip(x_spec.placements, w_spec.placements)):
+        mode = "rep"
+        if isinstance(px, Shard) and px.dim == 0:
+            mode = "batch"
+        elif i in spatial and not transposed:
+            mode = "spatial"
+        elif isinstance(px, Partial) and px.reduce_op == "sum":
+            mode = "xpartial"
+        elif not transposed and groups == 1 and (
+            (isinstance(px, Shard) and px.dim == 1) or (isinstance(px, Replicate) and pw == Shard(1))
+        ):
+            mode = "inch"
+        elif not transposed and groups == 1 and isinstance(px, Replicate) and pw == Shard(0):
+            mode = "outch"
+        elif not transposed and isinstance(px, Replicate) and isinstance(pw, Partial) and pw.reduce_op == "sum":
+            mode = "wpartial"
+        modes.append((mode, spatial.get(i, -1) if mode == "spatial" else -1))
+    return modes
+
+
+def placements_for(modes, column: str) -> tuple[Placement, ...]:
+    col = _COL[column]
+    out = []
+    for mode, d in modes:
+        p = _TABLE[mode][col]
+        out.append(Shard(d) if p == "S" else p)
+    return tuple(out)
+
+
+def _conv_plans(modes, x_shape, out_shape, coord, mesh_shape, k_sizes, stride, dilation, padding):
+    """``[(mesh dim, tensor dim, WindowPlan)]`` of the spatial modes, in mesh-dim order."""
+    plans = []
+    for i, (mode, d) in enumerate(modes):
+        if mode != "spatial":
+            continue
+        j = d - 2
+        k_eff = dilation[j] * (k_sizes[j] - 1) + 1
+        plan = halo.window_plan(x_shape[d], out_shape[d], mesh_shape[i], coord[i], stride[j], k_eff, padding[j])
+        plans.append((i, d, plan))
+    return plans
+
+
+def _window_shape(local_shape, plans) -> list[int]:
+    shape = list(local_shape)
+    for _, d, plan in plans:
+        shape[d] = plan.window_length
+    return shape
+
+
+# ---------------------------------------------------------------------------------------------
+# convolution
+# ---------------------------------------------------------------------------------------------
+
+
+@register_handler(aten.convolution.default)
+def convolution_handler(op, args, kwargs):
+    """Forward convolution on DTensors (any mode of the module docstring, per mesh dim)."""
+    x, w, bias, stride, padding, dilation, transposed, output_padding, groups = bind(op, args, kwargs)
+    check_dtensors(op, [x, w, bias])
+    nsp = x.dim() - 2
+    stride, padding, dilation = expand_list(stride, nsp), expand_list(padding, nsp), expand_list(dilation, nsp)
+    output_padding = expand_list(output_padding, nsp)
+    gout = meta_run(op, x, w, bias, stride, padding, dilation, transposed, output_padding, groups)
+    mesh = x._spec.mesh
+    if w._spec.mesh is not mesh or (bias is not None and bias._spec.mesh is not mesh):
+        raise ValueError(f"{op}: input, weight and bias must live on the same mesh")
+    modes = conv_modes(x._spec, w._spec, transposed, groups)
+    coord = C.mesh_coordinate(mesh)
+    out_spec = DTensorSpec(mesh, placements_for(modes, "out"), tuple(gout.shape), tuple(gout.stride()), gout.dtype)
+    with op_context(op):
+        xl = to_local(x, placements_for(modes, "x"))
+        wl = to_local(w, placements_for(modes, "w"))
+        bl = to_local(bias, placements_for(modes, "bias")) if bias is not None else None
+        plans = _conv_plans(modes, x.shape, gout.shape, coord, mesh.shape, list(w.shape[2:]), stride, dilation, padding)
+        local_padding = list(padding)
+        for i, d, plan in plans:
+            xl = halo.exchange(xl, plan, d, mesh, i)
+            local_padding[d - 2] = 0
+        out_local_shape = out_spec.local_shape(coord)
+        if _numel(out_local_shape) == 0 or xl.numel() == 0 or wl.numel() == 0:
+            out = xl.new_zeros(out_local_shape)
+            if bl is not None and _numel(out_local_shape):
+                out += bl.view([1, -1] + [1] * nsp)
+        else:
+            out = op(xl, wl, bl, stride, local_padding, dilation, transposed, output_padding, groups)
+    if tuple(out.shape) != out_local_shape:  # never return a mislabelled shard
+        raise AssertionError(
+            f"{op}: local output {tuple(out.shape)} does not match {out_spec} at {coord} (modes {modes})")
+    return wrap(out, out_spec)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+@register_handler(aten.convolution_backward.default)
+def convolution_backward_handler(op, args, kwargs):
+    """Backward of :func:`convolution_handler` (same modes, so it matches the forward layout)."""
+    (g, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups,
+     output_mask) = bind(op, args, kwargs)
+    check_dtensors(op, [g, x, w])
+    nsp = x.dim() - 2
+    stride, padding, dilation = expand_list(stride, nsp), expand_list(padding, nsp), expand_list(dilation, nsp)
+    output_padding = expand_list(output_padding, nsp)
+    mesh = x._spec.mesh
+    modes = conv_modes(x._spec, w._spec, transposed, groups)
+    coord = C.mesh_coordinate(mesh)
+    mask = [bool(m) for m in output_mask]
+    specs = [
+        make_spec(mesh, placements_for(modes, "g_in"), x.shape, x.dtype) if mask[0] else None,
+        make_spec(mesh, placements_for(modes, "g_w"), w.shape, w.dtype) if mask[1] else None,
+        (make_spec(mesh, placements_for(modes, "g_b"), bias_sizes, g.dtype)
+         if mask[2] and bias_sizes is not None else None),
+    ]
+    with op_context(op):
+        gl = to_local(g, placements_for(modes, "g_out"))  # a Partial output takes a Replicate gradient
+        wl = to_local(w, placements_for(modes, "w"))
+        x_target = placements_for(modes, "x")
+        plans = _conv_plans(modes, x.shape, g.shape, coord, mesh.shape, list(w.shape[2:]), stride, dilation, padding)
+        local_padding = list(padding)
+        for _, d, _ in plans:
+            local_padding[d - 2] = 0
+        if mask[1]:  # grad_weight reads the input window
+            xl = to_local(x, x_target)
+            for i, d, plan in plans:
+                xl = halo.exchange(xl, plan, d, mesh, i)
+        else:  # grad_input only needs the window's shape
+            xl = g._local_tensor.new_zeros(_window_shape(x._spec.with_placements(x_target).local_shape(coord), plans))
+        local_bias = [gl.shape[1]] if bias_sizes is not None else None
+        if gl.numel() == 0 or xl.numel() == 0 or wl.numel() == 0:
+            gi = xl.new_zeros(xl.shape) if mask[0] else None
+            gw = wl.new_zeros(wl.shape) if mask[1] else None
+            # the bias gradient needs no input (an empty in-channel chunk still has one)
+            gb = gl.sum([0] + list(range(2, gl.dim()))) if mask[2] and local_bias is not None else None
+        else:
+            gi, gw, gb = op(gl, xl, wl, local_bias, stride, local_padding, dilation, transposed,
+                            output_padding, groups, mask)
+        if mask[0]:
+            for i, d, plan in reversed(plans):
+                gi = halo.accumulate(gi, plan, d, mesh, i)
+    outs = []
+    for t, spec in zip((gi, gw, gb), specs):
+        if spec is None:
+            outs.append(None)
+            continue
+        if tuple(t.shape) != spec.local_shape(coord):
+            raise AssertionError(f"{op}: local gradient {tuple(t.shape)} does not match {spec} at {coord}")
+        outs.append(wrap(t, spec))
+    return tuple(outs)
+
+
+# ---------------------------------------------------------------------------------------------
+# constant_pad_nd: shifting a sharded dim is a kernel-1 window exchange
+# ---------------------------------------------------------------------------------------------
+
+
+@register_handler(aten.constant_pad_nd.default)
+def constant_pad_nd_handler(op, args, kwargs):
+    """``constant_pad_nd`` with any placements.
+
+    Per mesh dim: ``Shard(d)`` on an unpadded dim is kept; on a padded dim the OUTERMOST mesh dim
+    sharding it keeps ``Shard(d)`` (chunk layout of the new length ``N + p_l + p_r``, data moved
+    by a window exchange with kernel 1, stride 1, left padding ``p_l``; negative pads crop), inner
+    ones replicate; ``Partial`` is kept when every term padded with ``value`` reduces to the padded
+    value (avg/max/min always, sum when ``value == 0``); the rest is replicated.
+    """
+    x, pad, value = bind(op, args, kwargs)
+    check_dtensors(op, [x])
+    pad = [int(p) for p in pad]
+    gout = meta_run(op, x, pad, value)
+    ndim = x.dim()
+    pads = {}  # tensor dim -> (left, right)
+    for k in range(len(pad) // 2):
+        d = ndim - 1 - k
+        if pad[2 * k] or pad[2 * k + 1]:
+            pads[d] = (pad[2 * k], pad[2 * k + 1])
+    mesh = x._spec.mesh
+    coord = C.mesh_coordinate(mesh)
+    targets, shifted = [], []
+    seen: set[int] = set()
+    for i, p in enumerate(x._spec.placements):
+        if isinstance(p, Shard):
+            if p.dim not in pads:
+                targets.append(p)
+            elif p.dim not in seen:
+                seen.add(p.dim)
+                targets.append(p)
+                shifted.append((i, p.dim))
+            else:
+                targets.append(R)
+        elif isinstance(p, Partial):
+            keep = p.reduce_op in ("avg", "max", "min") or (p.reduce_op == "sum" and value == 0)
+            targets.append(p if keep else R)
+        else:
+            targets.append(R)
+    out_spec = DTensorSpec(mesh, tuple(targets), tuple(gout.shape), tuple(gout.stride()), gout.dtype)
+    with op_context(op):
+        xl = to_local(x, targets)
+        local_pad = list(pad)
+        for i, d in shifted:
+            pl, _ = pads[d]
+            plan = halo.window_plan(x.shape[d], gout.shape[d], mesh.shape[i], coord[i], 1, 1, pl)
+            xl = halo.exchange(xl, plan, d, mesh, i, fill=value)
+            k = ndim - 1 - d
+            local_pad[2 * k] = local_pad[2 * k + 1] = 0
+        out = op(xl, local_pad, value) if any(local_pad) or not shifted else xl
+        if out is x._local_tensor:  # never alias the input
+            out = out.clone()
+    if tuple(out.shape) != out_spec.local_shape(coord):
+        raise AssertionError(f"{op}: local output {tuple(out.shape)} does not match {out_spec} at {coord}")
+    return wrap(out, out_spec)
