@@ -29,12 +29,18 @@ class MixedTensorError(RuntimeError):
     pass
 
 
+_handlers: dict[int, Any] = {}  # id(op) -> handler, mirrors registry.handlers
+
+
 def clear_cache() -> None:
     """Forget every cached plan (the next call of each op re-runs propagation)."""
     _cache.clear()
+    _handlers.clear()
+    _handlers.update({id(op): fn for op, fn in registry.handlers.items()})
 
 
 registry._on_change.append(clear_cache)
+clear_cache()
 
 
 def cache_info() -> dict:
@@ -95,11 +101,12 @@ def dispatch(op, args: tuple, kwargs: dict):
     lists, plain 0-d tensors, tensor kwargs) goes through :func:`_dispatch_general`, which builds
     the same key.
     """
-    handler = registry.handlers.get(op)
+    # ops are process-lifetime singletons and OpOverload.__hash__ is Python-level: key by id
+    handler = _handlers.get(id(op))
     if handler is not None:
         return handler(op, args, kwargs)
     DT = _DT
-    key: list = [op]
+    key: list = [id(op)]
     largs: list = []
     pos: list = []  # index in largs of each DTensor arg
     dts: list = []
@@ -165,7 +172,7 @@ def _redistribute_input(op, dt, target):
 def _dispatch_general(op, args: tuple, kwargs: dict):
     DT = _DT
     dts: list = []
-    key: list = [op]
+    key: list = [id(op)]
     margs = [_unwrap(op, a, dts, key, DT) for a in args]
     mkwargs = {}
     for k, v in kwargs.items():
