@@ -1518,6 +1518,54 @@ def markdown_tables(data, rank=0):
     return "\n".join(L)
 
 
+def write_png(data: dict, path: str) -> None:
+    """Bar charts of the dtshard / torch ratios (cached per-op CPU time, redistribute main-thread
+    CPU beyond the raw collective): below 1 means dtshard is cheaper. Needs matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise SystemExit(f"--png needs matplotlib (pip install 'dtshard[plot]'): {e}")
+    r0 = data["ranks"][0]
+    names = r0["impl_names"]
+    if "torch" not in names or len(names) < 2:
+        raise SystemExit("--png compares an implementation with 'torch': run with --impl torch,dtshard")
+    other = [n for n in names if n != "torch"][0]
+
+    def ratio(entry, key):
+        a, b = entry["impls"].get(other, {}), entry["impls"].get("torch", {})
+        if isinstance(a, dict) and isinstance(b, dict) and a.get(key) and b.get(key):
+            return a[key] / b[key]
+        return None
+
+    panels = []
+    ops = [(e["op"], ratio(e, "cpu_median_us")) for e in r0.get("ops", [])]
+    panels.append(("cached op CPU time", [(n, v) for n, v in ops if v is not None]))
+    red = []
+    for e in r0.get("redistribute", []):
+        v = ratio(e, "main_thread_cpu_ovh_ms")
+        if v is not None:
+            red.append((f"{e['transition']}{' u' if e.get('uneven') else ''} {e['MiB']:g}MiB", v))
+    panels.append(("redistribute CPU beyond the raw collective", red))
+    panels = [p for p in panels if p[1]]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 3.2 * len(panels)), squeeze=False)
+    for ax, (title, rows) in zip(axes[:, 0], panels):
+        labels, values = zip(*rows)
+        colors = ["tab:green" if v <= 1 else "tab:red" for v in values]
+        ax.bar(range(len(values)), values, color=colors)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(values)))
+        ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
+        ax.set_ylabel(f"{other} / torch")
+        ax.set_title(f"{title} ({other} / torch.distributed.tensor, lower is better)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--impl", default="torch,dtshard",
@@ -1556,6 +1604,7 @@ def main():
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--from-json", default="", help="only print the tables of a saved result file")
     ap.add_argument("--markdown", action="store_true", help="with --from-json: emit markdown tables")
+    ap.add_argument("--png", default="", help="also draw the dtshard/torch ratios as a PNG chart here")
     args = ap.parse_args()
     if args.from_json:
         with open(args.from_json) as f:
@@ -1563,6 +1612,8 @@ def main():
         print(markdown_tables(data) if args.markdown else "", end="")
         if not args.markdown:
             print_tables(data)
+        if args.png:
+            write_png(data, args.png)
         return
     if args.quick:
         args.reps, args.miss_reps, args.redist_reps, args.train_reps = 11, 7, 7, 7
@@ -1627,6 +1678,8 @@ def main():
     with open(args.json, "w") as f:
         json.dump(data, f, indent=1, default=str)
     print(f"\nwrote {args.json}  (wall {data['meta']['wall_s']} s)")
+    if args.png:
+        write_png(data, args.png)
 
 
 if __name__ == "__main__":
