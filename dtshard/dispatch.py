@@ -32,9 +32,11 @@ class MixedTensorError(RuntimeError):
 _handlers: dict[int, Any] = {}  # id(op) -> handler, mirrors registry.handlers
 
 
-def clear_cache() -> None:
-    """Forget every cached plan (the next call of each op re-runs propagation)."""
-    _cache.clear()
+def clear_cache(*, plans: bool = True) -> None:
+    """Forget every cached plan and reload the handler table; ``plans=False`` only reloads the
+    handler table (no rule changed)."""
+    if plans:
+        _cache.clear()
     _handlers.clear()
     _handlers.update({id(op): fn for op, fn in registry.handlers.items()})
 

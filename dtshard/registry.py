@@ -39,6 +39,7 @@ __all__ = [
     "register_rule",
     "register_handler",
     "override",
+    "scoped_handlers",
     "get_entry",
     "registered_ops",
 ]
@@ -80,11 +81,18 @@ handlers: dict[torch._ops.OpOverload, Callable] = {}
 _on_change: list[Callable[[], None]] = []
 
 
-def _changed() -> None:
+#: handler tables installed by scoped_handlers(), innermost last; they take precedence over _entries
+_scoped: list[dict] = []
+
+
+def _changed(*, plans: bool = True) -> None:
+    """Rebuild the handler table; ``plans=False``: no rule changed, cached plans stay valid."""
     handlers.clear()
     handlers.update({op: e.fn for op, e in _entries.items() if e.kind == "handler"})
+    for scope in _scoped:
+        handlers.update(scope)
     for fn in _on_change:
-        fn()
+        fn(plans=plans)
 
 
 def _where(fn: Callable) -> str:
@@ -154,6 +162,23 @@ def override(op: torch._ops.OpOverload, fn: Callable, *, kind: str = "rule", sha
         else:
             _entries[op] = old
         _changed()
+
+
+@contextlib.contextmanager
+def scoped_handlers(mapping: dict) -> Iterator[None]:
+    """Route each op of ``mapping`` to its handler inside the block; cached plans stay valid
+    (handlers are consulted before the plan cache), so nothing is re-planned on entry or exit."""
+    scope = dict(mapping)
+    _scoped.append(scope)
+    _changed(plans=False)
+    try:
+        yield
+    finally:
+        for k in range(len(_scoped) - 1, -1, -1):
+            if _scoped[k] is scope:
+                del _scoped[k]
+                break
+        _changed(plans=False)
 
 
 def get_entry(op: torch._ops.OpOverload) -> RuleEntry | None:
