@@ -6,10 +6,13 @@ To add a rule see CONTRIBUTING.md: pick the family file, write a function of an 
 """
 
 from dtshard.rules import (  # noqa: F401  (imported for their registrations)
+    attention,
     conv,
+    embedding,
     loss,
     matmul,
     norm,
+    norm_extra,
     pool,
     pointwise,
     reduction,
