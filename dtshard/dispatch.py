@@ -7,6 +7,7 @@ dict lookup, the local call and the wrapping of the outputs.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -19,6 +20,15 @@ from dtshard.redistribute import redistribute_local
 __all__ = ["dispatch", "clear_cache", "cache_info", "MixedTensorError"]
 
 _cache: dict[tuple, Plan] = {}
+#: Plans kept at most. Keys include every scalar argument, so ops whose scalars change every step
+#: (an optimizer's bias corrections) would otherwise grow the cache without bound; the oldest
+#: tenth is dropped when full (dicts keep insertion order).
+CACHE_LIMIT = 20000
+
+
+def _evict_oldest() -> None:
+    for key in list(itertools.islice(_cache, max(1, len(_cache) // 10))):
+        del _cache[key]
 _stats = {"hits": 0, "misses": 0}
 
 
@@ -190,6 +200,8 @@ def _dispatch_general(op, args: tuple, kwargs: dict):
         _stats["misses"] += 1
         plan = propagate(op, args, kwargs, specs, margs, mkwargs)
         if tkey is not None:
+            if len(_cache) >= CACHE_LIMIT:
+                _evict_oldest()
             _cache[tkey] = plan
     else:
         _stats["hits"] += 1

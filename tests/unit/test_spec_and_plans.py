@@ -177,3 +177,20 @@ def test_kernels_import_is_ours_and_collision_free():
 
     spec_ = importlib.util.find_spec("dtshard_kernels")
     assert spec_.origin == dtshard_kernels.__file__
+
+
+def test_plan_cache_is_bounded(monkeypatch):
+    from dtshard import dispatch
+
+    monkeypatch.setattr(dispatch, "CACHE_LIMIT", 10)
+    saved = dict(dispatch._cache)
+    try:
+        dispatch._cache.clear()
+        for k in range(25):
+            if len(dispatch._cache) >= dispatch.CACHE_LIMIT:
+                dispatch._evict_oldest()
+            dispatch._cache[("key", k)] = k
+        assert len(dispatch._cache) <= 10 and ("key", 24) in dispatch._cache and ("key", 0) not in dispatch._cache
+    finally:
+        dispatch._cache.clear()
+        dispatch._cache.update(saved)
