@@ -61,6 +61,29 @@ class ParallelStyle(ABC):
 
     src_data_rank: int | None = 0
 
+    def _distribute_param(self, module: nn.Module, name: str, device_mesh: DeviceMesh, placement: Placement) -> None:
+        """Replace ``module.<name>`` by a DTensor parameter with ``placement``."""
+        param = getattr(module, name)
+        module.register_parameter(
+            name,
+            nn.Parameter(
+                distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank),
+                requires_grad=param.requires_grad,
+            ),
+        )
+
+    def _distribute_all_params(self, module: nn.Module, device_mesh: DeviceMesh, placement: Placement) -> None:
+        for name, _ in list(module.named_parameters(recurse=False)):
+            self._distribute_param(module, name, device_mesh, placement)
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        """Move the module's output to ``output_layouts`` (a Partial output: to Replicate is an
+        all_reduce, to Shard a reduce_scatter); hand back the local tensor if asked."""
+        if outputs.placements != output_layouts:
+            outputs = outputs.redistribute(placements=output_layouts, async_op=True)
+        return outputs.to_local() if use_local_output else outputs
+
     @abstractmethod
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module: ...
 
@@ -101,27 +124,11 @@ class ColwiseParallel(ParallelStyle):
 
     def _partition_linear_fn(self, name, module, device_mesh):
         # weight (out, in) and bias (out,) Shard(0): y = x W^T + b is sharded on its last dim
-        for name, param in module.named_parameters():
-            dist_param = nn.Parameter(
-                distribute_tensor(param, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank),
-                requires_grad=param.requires_grad,
-            )
-            module.register_parameter(name, dist_param)
+        self._distribute_all_params(module, device_mesh, Shard(0))
 
     def _partition_embedding_fn(self, name, module, device_mesh):
         # embedding dim sharded: each rank looks up its columns of every id
-        for name, param in module.named_parameters():
-            dist_param = nn.Parameter(
-                distribute_tensor(param, device_mesh, [Shard(1)], src_data_rank=self.src_data_rank),
-                requires_grad=param.requires_grad,
-            )
-            module.register_parameter(name, dist_param)
-
-    @staticmethod
-    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-        if outputs.placements != output_layouts:
-            outputs = outputs.redistribute(placements=output_layouts, async_op=True)
-        return outputs.to_local() if use_local_output else outputs
+        self._distribute_all_params(module, device_mesh, Shard(1))
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if isinstance(module, nn.Linear):
@@ -177,37 +184,13 @@ class RowwiseParallel(ParallelStyle):
     def _partition_linear_fn(self, name, module, device_mesh):
         # weight (out, in) Shard(1): x (sharded on in) @ W^T is a Partial(sum); the bias is replicated
         # (added once: the Partial output takes it on one rank)
-        module.register_parameter(
-            "weight",
-            nn.Parameter(
-                distribute_tensor(module.weight, device_mesh, [Shard(1)], src_data_rank=self.src_data_rank),
-                requires_grad=module.weight.requires_grad,
-            ),
-        )
+        self._distribute_param(module, "weight", device_mesh, Shard(1))
         if getattr(module, "bias", None) is not None:
-            module.register_parameter(
-                "bias",
-                nn.Parameter(
-                    distribute_tensor(module.bias, device_mesh, [Replicate()], src_data_rank=self.src_data_rank),
-                    requires_grad=module.bias.requires_grad,
-                ),
-            )
+            self._distribute_param(module, "bias", device_mesh, Replicate())
 
     def _partition_embedding_fn(self, name, module, device_mesh):
         # vocab rows sharded: each rank looks up the ids in its rows (zeros elsewhere) -> Partial(sum)
-        for name, param in module.named_parameters():
-            dist_param = nn.Parameter(
-                distribute_tensor(param, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank),
-                requires_grad=param.requires_grad,
-            )
-            module.register_parameter(name, dist_param)
-
-    @staticmethod
-    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-        # Partial output: to Replicate -> all_reduce, to Shard -> reduce_scatter
-        if outputs.placements != output_layouts:
-            outputs = outputs.redistribute(placements=output_layouts, async_op=True)
-        return outputs.to_local() if use_local_output else outputs
+        self._distribute_all_params(module, device_mesh, Shard(0))
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if isinstance(module, nn.Linear):
