@@ -53,6 +53,7 @@ from dtshard.spec import chunk_range
 __all__ = [
     "WindowPlan",
     "window_plan",
+    "range_plan",
     "conv_output_length",
     "pool_output_length",
     "mesh_id",
@@ -163,11 +164,32 @@ def window_plan(n_in: int, m: int, n: int, me: int, s: int, k_eff: int, p_l: int
     """The :class:`WindowPlan` of rank ``me`` of ``n`` for input length ``n_in``, output length
     ``m``, stride ``s``, effective kernel ``k_eff`` and left padding ``p_l`` (negative padding
     crops; ``k_eff = 1, s = 1`` is a pure shift, used for ``constant_pad_nd``)."""
+    needs = tuple(_needed(m, n_in, n, r, s, k_eff, p_l) for r in range(n))
+    return _plan_from_needs(n_in, m, n, me, needs)
+
+
+@functools.lru_cache(maxsize=4096)
+def range_plan(n_in: int, m: int, n: int, me: int, windows: tuple[tuple[int, int], ...]) -> WindowPlan:
+    """The :class:`WindowPlan` of rank ``me`` of ``n`` when rank ``r``'s output chunk (chunk ``r``
+    of ``m``) reads the input range ``windows[r] = (lo, hi)`` (``0 <= lo <= hi <= n_in``; empty
+    when ``lo == hi``).  For ops whose input window is not a convolution window: interpolation
+    (nearest / linear index maps), reflection / replication padding, transposed convolution.
+    The window has no fill padding: every element comes from some rank's shard."""
+    if len(windows) != n:
+        raise ValueError(f"range_plan: {len(windows)} windows for {n} ranks")
+    needs = []
+    for r, (lo, hi) in enumerate(windows):
+        if not 0 <= lo <= hi <= n_in:
+            raise ValueError(f"range_plan: window {(lo, hi)} of rank {r} is outside [0, {n_in}]")
+        a, length = chunk_range(m, n, r)
+        needs.append((a, a + length, lo, hi))  # inside [0, n_in]: never any fill padding
+    return _plan_from_needs(n_in, m, n, me, tuple(needs))
+
+
+def _plan_from_needs(n_in: int, m: int, n: int, me: int, needs) -> WindowPlan:
+    """``needs[r] = (a, b, lo, hi)``: rank r's output range and unclipped input window."""
     owned = [chunk_range(n_in, n, q) for q in range(n)]
-    need = []
-    for r in range(n):
-        _, _, lo, hi = _needed(m, n_in, n, r, s, k_eff, p_l)
-        need.append((max(lo, 0), min(hi, n_in)))
+    need = [(max(lo, 0), min(hi, n_in)) for _, _, lo, hi in needs]
 
     def overlap(r: int, q: int) -> tuple[int, int]:
         """(start, length) of rank q's owned range that rank r needs (global coordinates)."""
@@ -177,7 +199,7 @@ def window_plan(n_in: int, m: int, n: int, me: int, s: int, k_eff: int, p_l: int
         return (start, stop - start) if stop > start else (c, 0)
 
     any_traffic = any(overlap(r, q)[1] for r in range(n) for q in range(n) if q != r)
-    a, b, lo, hi = _needed(m, n_in, n, me, s, k_eff, p_l)
+    a, b, lo, hi = needs[me]
     c, own_len = owned[me]
     send_offsets, send_lengths = [], []
     for r in range(n):

@@ -7,15 +7,19 @@ To add a rule see CONTRIBUTING.md: pick the family file, write a function of an 
 
 from dtshard.rules import (  # noqa: F401  (imported for their registrations)
     attention,
-    conv,
+    conv, pool,  # spatial sharding through halo exchange (dtshard/halo.py)
     embedding,
+    foreach,
+    indexing,
     loss,
     matmul,
     norm,
     norm_extra,
-    pool,
     pointwise,
+    random,
     reduction,
     tensor_ops,
+    upsample,  # interpolation and reflect/replicate padding on spatial shards
     view,
 )
+from dtshard.rules import misc  # noqa: F401,E402  (last: replicate-only fallbacks where no family has a rule)

@@ -20,7 +20,7 @@ rep         anything else          R       R      R      R        R       R     
 
 (``P`` is ``Partial("sum")``; ``*``: the chunk layout of the OUTPUT length.)  A bias that must be
 ``P`` is zero on every rank but the first of the group (an exact R -> P).  Transposed convolutions
-use batch / xpartial / rep only.  A spatial dim sharded by two mesh dims keeps the outer one and
+use batch / spatial / xpartial / rep.  A spatial dim sharded by two mesh dims keeps the outer one and
 replicates the inner.  Mixed layouts (batch on mesh dim 0 and H on mesh dim 1, H and W on a 2-D
 mesh, channels and H, ...) combine per mesh dim.
 
@@ -33,6 +33,16 @@ it), the local ``convolution_backward`` gives the gradient of the window, and ``
 (in reverse mesh-dim order) sends the halo parts back to their owners, who add them.  grad_weight
 and grad_bias are Partial(sum) over the spatial (and batch) mesh dims: each output position is
 computed by exactly one rank, so the local contributions sum to the full gradient.
+
+Transposed convolution, spatial mode: input ``i`` reaches outputs ``i*s - p + t*d``, so output
+chunk ``[a, b)`` reads inputs ``ceil((a + p - d(k-1)) / s) .. floor((b - 1 + p) / s)`` (clipped to the
+input; :func:`_tconv_window`, exchanged with ``halo.range_plan``).  The local transposed convolution
+of that window (padding and output_padding 0 on the sharded dims) starts at global output
+``lo*s - p``; ``constant_pad_nd`` fits it to ``[a, b)`` (zeros where no input reaches, crops the
+rest), then the bias is added.  Backward: the negated pads un-fit the output gradient, the local
+``convolution_backward`` gives the window's gradient (accumulated to the owners as above),
+grad_bias is the sum of the rank's output-gradient chunk (Partial).  With k = s (UNet's k2 s2
+up-convolution) and even chunks every window is the rank's own shard: nothing moves.
 
 ``padding='same'`` with an even kernel arrives as ``constant_pad_nd`` (asymmetric, one extra
 element on the right) followed by a symmetric convolution; its handler here shifts a sharded dim
@@ -51,7 +61,7 @@ from dtshard import _trace, halo
 from dtshard import collectives as C
 from dtshard.redistribute import redistribute_local
 from dtshard.registry import register_handler
-from dtshard.spec import DTensorSpec
+from dtshard.spec import DTensorSpec, chunk_range
 
 aten = torch.ops.aten
 
@@ -216,7 +226,7 @@ def conv_modes(x_spec: DTensorSpec, w_spec: DTensorSpec, transposed: bool, group
         mode = "rep"
         if isinstance(px, Shard) and px.dim == 0:
             mode = "batch"
-        elif i in spatial and not transposed:
+        elif i in spatial:
             mode = "spatial"
         elif isinstance(px, Partial) and px.reduce_op == "sum":
             mode = "xpartial"
@@ -254,6 +264,50 @@ def _conv_plans(modes, x_shape, out_shape, coord, mesh_shape, k_sizes, stride, d
     return plans
 
 
+def _tconv_window(n_in: int, m_out: int, n: int, r: int, s: int, k_eff: int, p: int) -> tuple[int, int]:
+    """Transposed convolution: the input range ``[lo, hi)`` that output chunk ``r`` of ``m_out``
+    reads.  Input ``i`` reaches outputs ``i*s - p + t*d`` (``t`` in ``[0, k)``), so outputs ``[a, b)``
+    need ``ceil((a + p - (K-1)) / s) <= i <= floor((b - 1 + p) / s)``, clipped to ``[0, N)``."""
+    a, length = chunk_range(m_out, n, r)
+    if length == 0:
+        return (0, 0)
+    lo = max(0, -((-(a + p - (k_eff - 1))) // s))
+    hi = min(n_in, (a + length - 1 + p) // s + 1)
+    return (lo, hi) if hi > lo else (0, 0)
+
+
+def _tconv_plans(modes, x_shape, out_shape, coord, mesh_shape, k_sizes, stride, dilation, padding):
+    """``[(mesh dim, tensor dim, WindowPlan)]`` of the spatial modes of a TRANSPOSED convolution."""
+    plans = []
+    for i, (mode, d) in enumerate(modes):
+        if mode != "spatial":
+            continue
+        j = d - 2
+        k_eff = dilation[j] * (k_sizes[j] - 1) + 1
+        n = mesh_shape[i]
+        wins = tuple(_tconv_window(x_shape[d], out_shape[d], n, r, stride[j], k_eff, padding[j]) for r in range(n))
+        plans.append((i, d, halo.range_plan(x_shape[d], out_shape[d], n, coord[i], wins)))
+    return plans
+
+
+def _tconv_fit(plans, k_sizes, stride, dilation, padding, ndim: int) -> list[int]:
+    """``constant_pad_nd`` pads that turn the local transposed convolution of the windows (padding
+    and output_padding 0 on the sharded dims) into this rank's output chunk: the local output
+    starts at global position ``lo*s - p``; outputs the window does not reach are zero (cropped
+    when it reaches beyond the chunk)."""
+    pads = [0] * (2 * ndim)
+    for _, d, plan in plans:
+        j = d - 2
+        length = plan.window_length
+        k_eff = dilation[j] * (k_sizes[j] - 1) + 1
+        local_out = (length - 1) * stride[j] + k_eff if length else 0
+        left = plan.lo * stride[j] - padding[j] - plan.a
+        right = (plan.b - plan.a) - left - local_out
+        k = ndim - 1 - d
+        pads[2 * k], pads[2 * k + 1] = left, right
+    return pads
+
+
 def _window_shape(local_shape, plans) -> list[int]:
     shape = list(local_shape)
     for _, d, plan in plans:
@@ -285,13 +339,17 @@ def convolution_handler(op, args, kwargs):
         xl = to_local(x, placements_for(modes, "x"))
         wl = to_local(w, placements_for(modes, "w"))
         bl = to_local(bias, placements_for(modes, "bias")) if bias is not None else None
-        plans = _conv_plans(modes, x.shape, gout.shape, coord, mesh.shape, list(w.shape[2:]), stride, dilation, padding)
-        local_padding = list(padding)
+        make_plans = _tconv_plans if transposed else _conv_plans
+        plans = make_plans(modes, x.shape, gout.shape, coord, mesh.shape, list(w.shape[2:]), stride, dilation, padding)
+        local_padding, local_output_padding = list(padding), list(output_padding)
         for i, d, plan in plans:
             xl = halo.exchange(xl, plan, d, mesh, i)
-            local_padding[d - 2] = 0
+            local_padding[d - 2] = local_output_padding[d - 2] = 0
         out_local_shape = out_spec.local_shape(coord)
-        if _numel(out_local_shape) == 0 or xl.numel() == 0 or wl.numel() == 0:
+        if transposed and plans:
+            out = _tconv_forward(op, xl, wl, bl, out_local_shape, plans, list(w.shape[2:]), stride, local_padding,
+                                 padding, dilation, local_output_padding, groups)
+        elif _numel(out_local_shape) == 0 or xl.numel() == 0 or wl.numel() == 0:
             out = xl.new_zeros(out_local_shape)
             if bl is not None and _numel(out_local_shape):
                 out += bl.view([1, -1] + [1] * nsp)
@@ -308,6 +366,23 @@ def _numel(shape) -> int:
     for s in shape:
         n *= s
     return n
+
+
+def _tconv_forward(op, xl, wl, bl, out_local_shape, plans, k_sizes, stride, local_padding, padding, dilation,
+                   local_output_padding, groups):
+    """Transposed convolution of the input windows, fitted to this rank's output chunk, plus bias
+    (added after the fit: positions no input reaches still get it)."""
+    nsp = xl.dim() - 2
+    if _numel(out_local_shape) == 0:
+        return xl.new_zeros(out_local_shape)
+    if xl.numel() == 0 or wl.numel() == 0:
+        out = xl.new_zeros(out_local_shape)
+    else:
+        out = op(xl, wl, None, stride, local_padding, dilation, True, local_output_padding, groups)
+        out = aten.constant_pad_nd.default(out, _tconv_fit(plans, k_sizes, stride, dilation, padding, xl.dim()))
+    if bl is not None:
+        out = out + bl.view([1, -1] + [1] * nsp)
+    return out
 
 
 @register_handler(aten.convolution_backward.default)
@@ -333,10 +408,11 @@ def convolution_backward_handler(op, args, kwargs):
         gl = to_local(g, placements_for(modes, "g_out"))  # a Partial output takes a Replicate gradient
         wl = to_local(w, placements_for(modes, "w"))
         x_target = placements_for(modes, "x")
-        plans = _conv_plans(modes, x.shape, g.shape, coord, mesh.shape, list(w.shape[2:]), stride, dilation, padding)
-        local_padding = list(padding)
+        make_plans = _tconv_plans if transposed else _conv_plans
+        plans = make_plans(modes, x.shape, g.shape, coord, mesh.shape, list(w.shape[2:]), stride, dilation, padding)
+        local_padding, local_output_padding = list(padding), list(output_padding)
         for _, d, _ in plans:
-            local_padding[d - 2] = 0
+            local_padding[d - 2] = local_output_padding[d - 2] = 0
         if mask[1]:  # grad_weight reads the input window
             xl = to_local(x, x_target)
             for i, d, plan in plans:
@@ -344,7 +420,10 @@ def convolution_backward_handler(op, args, kwargs):
         else:  # grad_input only needs the window's shape
             xl = g._local_tensor.new_zeros(_window_shape(x._spec.with_placements(x_target).local_shape(coord), plans))
         local_bias = [gl.shape[1]] if bias_sizes is not None else None
-        if gl.numel() == 0 or xl.numel() == 0 or wl.numel() == 0:
+        if transposed and plans:
+            gi, gw, gb = _tconv_backward(op, gl, xl, wl, local_bias, plans, list(w.shape[2:]), stride, local_padding,
+                                         padding, dilation, local_output_padding, groups, mask)
+        elif gl.numel() == 0 or xl.numel() == 0 or wl.numel() == 0:
             gi = xl.new_zeros(xl.shape) if mask[0] else None
             gw = wl.new_zeros(wl.shape) if mask[1] else None
             # the bias gradient needs no input (an empty in-channel chunk still has one)
@@ -364,6 +443,23 @@ def convolution_backward_handler(op, args, kwargs):
             raise AssertionError(f"{op}: local gradient {tuple(t.shape)} does not match {spec} at {coord}")
         outs.append(wrap(t, spec))
     return tuple(outs)
+
+
+def _tconv_backward(op, gl, xl, wl, local_bias, plans, k_sizes, stride, local_padding, padding, dilation,
+                    local_output_padding, groups, mask):
+    """Adjoint of :func:`_tconv_forward`: the output gradient un-fitted to the local transposed
+    convolution's output (the negated pads), its backward on the windows; the bias gradient is
+    the sum of this rank's output-gradient chunk (every output position belongs to one rank)."""
+    gb = gl.sum([0] + list(range(2, gl.dim()))) if mask[2] and local_bias is not None else None
+    if gl.numel() == 0 or xl.numel() == 0 or wl.numel() == 0:
+        gi = xl.new_zeros(xl.shape) if mask[0] else None
+        gw = wl.new_zeros(wl.shape) if mask[1] else None
+        return gi, gw, gb
+    pads = _tconv_fit(plans, k_sizes, stride, dilation, padding, xl.dim())
+    g_local = aten.constant_pad_nd.default(gl, [-p for p in pads])
+    gi, gw, _ = op(g_local, xl, wl, None, stride, local_padding, dilation, True, local_output_padding, groups,
+                   [mask[0], mask[1], False])
+    return gi, gw, gb
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ def bmm_rule(call: OpCall):
     return einsum_strategies("bmk,bkn->bmn")
 
 
-@register_rule(aten.dot.default)
+@register_rule([aten.dot.default, aten.vdot.default])
 def dot_rule(call: OpCall):
     return einsum_strategies("k,k->")
 
@@ -38,7 +38,10 @@ def mv_rule(call: OpCall):
 def _with_addend(equation: str, call: OpCall):
     bias = call.tensors[0]
     a, b = call.tensors[1], call.tensors[2]
-    out_shape = broadcast_shape(bias.shape, (a.shape[:-1] + (b.shape[-1],)))
+    lhs, out = equation.split("->")
+    la, lb = lhs.split(",")
+    sizes = {**dict(zip(la, a.shape)), **dict(zip(lb, b.shape))}
+    out_shape = broadcast_shape(bias.shape, tuple(sizes[c] for c in out))
     strategies = []
     for outs, ins in einsum_strategies(equation):
         strategies.append((outs, (follow_output(bias, out_shape, outs[0]),) + ins))
@@ -53,3 +56,18 @@ def addmm_rule(call: OpCall):
 @register_rule(aten.baddbmm.default)
 def baddbmm_rule(call: OpCall):
     return _with_addend("bmk,bkn->bmn", call)
+
+
+@register_rule(aten.addmv.default)
+def addmv_rule(call: OpCall):
+    return _with_addend("mk,k->m", call)
+
+
+@register_rule(aten.addr.default)
+def addr_rule(call: OpCall):
+    return _with_addend("m,n->mn", call)
+
+
+@register_rule(aten.addbmm.default)
+def addbmm_rule(call: OpCall):
+    return _with_addend("bmk,bkn->mn", call)

@@ -16,7 +16,7 @@ from dtshard.rules._common import LINEAR_REDUCE_OPS, R, norm_dim
 aten = torch.ops.aten
 
 
-@register_rule([aten._softmax.default, aten._log_softmax.default])
+@register_rule([aten._softmax.default, aten._log_softmax.default, aten._safe_softmax.default])
 def softmax_rule(call: OpCall):
     x = call.tensors[0]
     dim = norm_dim(call.arg(1, "dim"), x.ndim)
@@ -54,3 +54,237 @@ def layer_norm_backward_rule(call: OpCall):
     for op in LINEAR_REDUCE_OPS:  # every output is linear in grad_out
         strategies.append(((Partial(op),) * 3, (Partial(op),) + (R,) * (3 + n_params)))
     return strategies
+
+
+# ---------------------------------------------------------------------------------------------
+# group_norm and batch_norm: handlers
+# ---------------------------------------------------------------------------------------------
+#
+# native_group_norm takes the batch size N as an argument, so a batch shard cannot run the op with
+# its global arguments (and a rule's local-shape check would reject it): the handler runs the local
+# op with the LOCAL N.  Batch norm in training normalises with statistics over every dim but the
+# channels: when those dims are sharded, the local kernel would use local statistics, so the
+# handler computes the GLOBAL mean and variance with DTensor ops (sums become Partial and are
+# reduced once, exact for uneven shards), and the backward uses the global sums as well.
+
+from torch.distributed.tensor.placement_types import Replicate  # noqa: E402
+
+from dtshard.registry import register_handler  # noqa: E402
+
+
+def _dt():
+    from dtshard.tensor import DTensor
+
+    return DTensor
+
+
+def _keep_shards(x, allowed) -> list:
+    """x's placements with every Shard whose dim is not in ``allowed`` (and every Partial) replaced
+    by Replicate."""
+    return [p if isinstance(p, Shard) and p.dim in allowed else Replicate() for p in x.placements]
+
+
+def _to(x, placements):
+    if x is None or not isinstance(x, _dt()):
+        return x
+    placements = list(placements)
+    return x if tuple(x.placements) == tuple(placements) else x.redistribute(x.device_mesh, placements)
+
+
+def _rep(x):
+    return None if x is None else _to(x, [Replicate()] * x.device_mesh.ndim)
+
+
+def _local(x):
+    return None if x is None else (x.to_local() if isinstance(x, _dt()) else x)
+
+
+def _wrap(local, mesh, placements, shape):
+    from dtshard.tensor import _contiguous_stride
+
+    return _dt().from_local(local, mesh, list(placements), shape=tuple(shape), stride=_contiguous_stride(shape))
+
+
+def _stat_placements(target):
+    """The (N, G) statistics of group norm follow the batch shards of the input."""
+    return [p if isinstance(p, Shard) else Replicate() for p in target]
+
+
+@register_handler(aten.native_group_norm.default)
+def group_norm_handler(op, args, kwargs):
+    with torch.no_grad():
+        x, weight, bias, n, c, hxw, group, eps = (list(args) + [kwargs.get(k) for k in (
+            "input", "weight", "bias", "N", "C", "HxW", "group", "eps")][len(args):])[:8]
+        mesh = x.device_mesh
+        target = _keep_shards(x, {0})
+        x = _to(x, target)
+        xl = _local(x)
+        out, mean, rstd = op(xl, _local(_rep(weight)), _local(_rep(bias)), xl.shape[0], c, hxw, group, eps)
+        sp = _stat_placements(target)
+        return (_wrap(out, mesh, target, x.shape), _wrap(mean, mesh, sp, (n, group)),
+                _wrap(rstd, mesh, sp, (n, group)))
+
+
+@register_handler(aten.native_group_norm_backward.default)
+def group_norm_backward_handler(op, args, kwargs):
+    with torch.no_grad():
+        names = ("grad_out", "input", "mean", "rstd", "weight", "N", "C", "HxW", "group", "output_mask")
+        g, x, mean, rstd, weight, n, c, hxw, group, mask = (list(args) + [kwargs.get(k) for k in names][len(args):])[:10]
+        mesh = x.device_mesh
+        target = _keep_shards(x, {0})
+        x, g = _to(x, target), _to(g, target)
+        sp = _stat_placements(target)
+        mean, rstd = _to(mean, sp), _to(rstd, sp)
+        xl = _local(x)
+        gi, gw, gb = op(_local(g), xl, _local(mean), _local(rstd), _local(_rep(weight)), xl.shape[0], c, hxw, group, mask)
+        psum = [Partial("sum") if isinstance(p, Shard) else Replicate() for p in target]
+        return (None if gi is None else _wrap(gi, mesh, target, x.shape),
+                None if gw is None else _wrap(gw, mesh, psum, (c,)),
+                None if gb is None else _wrap(gb, mesh, psum, (c,)))
+
+
+def _bn_shape(x, v):
+    """View a per-channel (C,) DTensor as (1, C, 1, ...) to broadcast against x."""
+    return aten.view.default(v, [1, x.shape[1]] + [1] * (x.ndim - 2))
+
+
+def _bn_dims(x):
+    return [0] + list(range(2, x.ndim))
+
+
+def _bn_sharded(x) -> bool:
+    return any(isinstance(p, Partial) or (isinstance(p, Shard) and p.dim != 1) for p in x.placements)
+
+
+def _bn_train_forward(x, weight, bias, running_mean, running_var, momentum, eps):
+    """Global-statistics batch norm written with DTensor ops; returns (out, mean, invstd)."""
+    x = _to(x, _keep_shards(x, set(range(x.ndim)) - {1}))
+    dims = _bn_dims(x)
+    n = x.numel() // x.shape[1]
+    mean = aten.div.Scalar(aten.sum.dim_IntList(x, dims), n)
+    centered = aten.sub.Tensor(x, _bn_shape(x, _rep(mean)))
+    var = aten.div.Scalar(aten.sum.dim_IntList(aten.mul.Tensor(centered, centered), dims), n)
+    var = _rep(var)
+    invstd = aten.rsqrt.default(aten.add.Scalar(var, eps))
+    out = aten.mul.Tensor(centered, _bn_shape(x, invstd))
+    if weight is not None:
+        out = aten.mul.Tensor(out, _bn_shape(x, _rep(weight)))
+    if bias is not None:
+        out = aten.add.Tensor(out, _bn_shape(x, _rep(bias)))
+    if running_mean is not None:
+        new = aten.add.Tensor(aten.mul.Scalar(_rep(running_mean), 1 - momentum), aten.mul.Scalar(_rep(mean), momentum))
+        aten.copy_.default(running_mean, _to(new, running_mean.placements))
+    if running_var is not None:
+        unbiased = aten.mul.Scalar(var, n / (n - 1) if n > 1 else float("inf"))
+        new = aten.add.Tensor(aten.mul.Scalar(_rep(running_var), 1 - momentum), aten.mul.Scalar(unbiased, momentum))
+        aten.copy_.default(running_var, _to(new, running_var.placements))
+    return out, _rep(mean), invstd
+
+
+def _bn_local(op, x, rest, training):
+    """Run the op on local shards: the input keeps shards off the channel dim in eval (and in
+    training only when nothing is sharded there); per-channel tensors are replicated."""
+    mesh = x.device_mesh
+    target = _keep_shards(x, set(range(x.ndim)) - {1}) if not training else [Replicate()] * mesh.ndim
+    x = _to(x, target)
+    outs = op(_local(x), *[_local(_rep(a)) if isinstance(a, _dt()) else a for a in rest])
+    res = [_wrap(outs[0], mesh, target, x.shape)]
+    for o in outs[1:]:
+        res.append(_wrap(o, mesh, [Replicate()] * mesh.ndim, tuple(o.shape)))
+    return tuple(res)
+
+
+def _write_back(dts, locals_):
+    for d, loc in zip(dts, locals_):
+        if isinstance(d, _dt()) and loc is not None:
+            aten.copy_.default(d, _to(_wrap(loc, d.device_mesh, [Replicate()] * d.device_mesh.ndim, d.shape),
+                                      d.placements))
+
+
+@register_handler([aten.native_batch_norm.default, aten._native_batch_norm_legit.default])
+def batch_norm_handler(op, args, kwargs):
+    with torch.no_grad():
+        names = ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps")
+        x, w, b, rm, rv, training, momentum, eps = (list(args) + [kwargs.get(k) for k in names][len(args):])[:8]
+        if training and _bn_sharded(x):
+            return _bn_train_forward(x, w, b, rm, rv, momentum, eps)
+        if training:
+            # whole batch on every rank: the local kernel updates the replicated running stats
+            rml = _local(_rep(rm)).clone() if rm is not None else None
+            rvl = _local(_rep(rv)).clone() if rv is not None else None
+            mesh = x.device_mesh
+            x = _rep(x)
+            out = op(_local(x), _local(_rep(w)), _local(_rep(b)), rml, rvl, training, momentum, eps)
+            _write_back([rm, rv], [rml, rvl])
+            rep = [Replicate()] * mesh.ndim
+            return tuple(_wrap(o, mesh, rep, tuple(o.shape)) for o in out)
+        return _bn_local(op, x, [w, b, rm, rv, training, momentum, eps], False)
+
+
+@register_handler(aten._native_batch_norm_legit.no_stats)
+def batch_norm_no_stats_handler(op, args, kwargs):
+    with torch.no_grad():
+        x, w, b, training, momentum, eps = (list(args) + [kwargs.get(k) for k in (
+            "input", "weight", "bias", "training", "momentum", "eps")][len(args):])[:6]
+        if _bn_sharded(x):
+            return _bn_train_forward(x, w, b, None, None, momentum, eps)
+        return _bn_local(op, x, [w, b, training, momentum, eps], True)
+
+
+@register_handler(aten.native_batch_norm_backward.default)
+def batch_norm_backward_handler(op, args, kwargs):
+    with torch.no_grad():
+        names = ("grad_out", "input", "weight", "running_mean", "running_var", "save_mean", "save_invstd",
+                 "train", "eps", "output_mask")
+        g, x, w, rm, rv, smean, sinv, train, eps, mask = (list(args) + [kwargs.get(k) for k in names][len(args):])[:10]
+        mesh = x.device_mesh
+        target = _keep_shards(x, set(range(x.ndim)) - {1})
+        x, g = _to(x, target), _to(g, target)
+        sharded = any(isinstance(p, Shard) for p in target)
+        psum = [Partial("sum") if isinstance(p, Shard) else Replicate() for p in target]
+        c = x.shape[1]
+        if not train or not sharded:
+            gi, gw, gb = op(_local(g), _local(x), _local(_rep(w)), _local(_rep(rm)), _local(_rep(rv)),
+                            _local(_rep(smean)), _local(_rep(sinv)), train, eps, mask)
+            return (None if gi is None else _wrap(gi, mesh, target, x.shape),
+                    None if gw is None else _wrap(gw, mesh, psum, (c,)),
+                    None if gb is None else _wrap(gb, mesh, psum, (c,)))
+        dims = _bn_dims(x)
+        n = x.numel() // c
+        mean_b, inv_b = _bn_shape(x, _rep(smean)), _bn_shape(x, _rep(sinv))
+        xhat = aten.mul.Tensor(aten.sub.Tensor(x, mean_b), inv_b)
+        sum_g = aten.sum.dim_IntList(g, dims)
+        sum_gx = aten.sum.dim_IntList(aten.mul.Tensor(g, xhat), dims)
+        gi = gw = gb = None
+        if mask[0]:
+            scale = inv_b if w is None else aten.mul.Tensor(inv_b, _bn_shape(x, _rep(w)))
+            t = aten.sub.Tensor(g, _bn_shape(x, aten.div.Scalar(_rep(sum_g), n)))
+            t = aten.sub.Tensor(t, aten.mul.Tensor(xhat, _bn_shape(x, aten.div.Scalar(_rep(sum_gx), n))))
+            gi = aten.mul.Tensor(t, scale)
+        if mask[1]:
+            gw = sum_gx
+        if mask[2]:
+            gb = sum_g
+        return gi, gw, gb
+
+
+@register_handler(aten._batch_norm_with_update.default)
+def batch_norm_with_update_handler(op, args, kwargs):
+    """(out, save_mean, save_invstd, reserve): native_batch_norm in training mode, plus an empty
+    reserve buffer (CPU)."""
+    names = ("input", "weight", "bias", "running_mean", "running_var", "momentum", "eps")
+    x, w, b, rm, rv, momentum, eps = (list(args) + [kwargs.get(k) for k in names][len(args):])[:7]
+    out, mean, invstd = batch_norm_handler(aten.native_batch_norm.default, (x, w, b, rm, rv, True, momentum, eps), {})
+    with torch.no_grad():
+        mesh = x.device_mesh
+        reserve = _wrap(torch.empty(0, dtype=torch.uint8), mesh, [Replicate()] * mesh.ndim, (0,))
+    return out, mean, invstd, reserve
+
+
+@register_handler(aten.batch_norm_backward.default)
+def batch_norm_backward_new_handler(op, args, kwargs):
+    names = ("grad_out", "input", "weight", "running_mean", "running_var", "save_mean", "save_var",
+             "update", "eps", "output_mask", "reserve")
+    g, x, w, rm, rv, smean, svar, update, eps, mask, _ = (list(args) + [kwargs.get(k) for k in names][len(args):])[:11]
+    return batch_norm_backward_handler(aten.native_batch_norm_backward.default,
+                                       (g, x, w, rm, rv, smean, svar, update, eps, mask), {})

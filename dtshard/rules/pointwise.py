@@ -12,13 +12,18 @@ import torch
 from torch.distributed.tensor.placement_types import Partial, Shard
 
 from dtshard.registry import OpCall, register_rule
+from dtshard.spec import TensorMeta
 from dtshard.rules._common import LINEAR_REDUCE_OPS, R, broadcast_shape, follow_output
 
 aten = torch.ops.aten
 
-# Ops linear in ALL tensor inputs jointly (f(a1+a2, b1+b2) = f(a1,b1) + f(a2,b2)).
+# Ops linear in ALL tensor inputs jointly (f(a1+a2, b1+b2) = f(a1,b1) + f(a2,b2)); only when every
+# tensor operand is a DTensor: add(P, 2.0) is NOT a partial term of x + 2 (each rank would add 2).
 _LINEAR_JOINT = {aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.positive.default}
-# Ops linear in ONE input when the others are fixed: op -> index of that input among tensor args.
+# Ops linear in ONE operand when the others are fixed: op -> schema positions of such operands.
+# The strategy makes the DTensor at that position Partial and every other DTensor Replicate; plain
+# scalars / 0-d tensors elsewhere are fixed factors (mul(P, 2.0) is fine; div(2.0, P) is not, and
+# is never offered because position 0 is then not a DTensor).
 _LINEAR_IN = {
     aten.mul.Tensor: (0, 1),
     aten.div.Tensor: (0,),
@@ -31,9 +36,38 @@ _LINEAR_IN = {
     aten.sigmoid_backward.default: (0,),
     aten.hardtanh_backward.default: (0,),
     aten.leaky_relu_backward.default: (0,),
-    aten.where.self: (1, 2),  # where(cond, a, b) is linear in (a, b) jointly, see below
-    aten.masked_fill.Scalar: (),
+    aten.elu_backward.default: (0,),
+    aten.log_sigmoid_backward.default: (0,),
+    aten.softplus_backward.default: (0,),
+    aten.hardsigmoid_backward.default: (0,),
+    aten.hardswish_backward.default: (0,),
+    aten.mish_backward.default: (0,),
+    aten.softshrink_backward.default: (0,),
+    aten.hardshrink_backward.default: (0,),
 }
+_LINEAR_JOINT.add(aten.rsub.Tensor)
+
+
+def _dtensor_positions(call: OpCall) -> dict[int, int]:
+    """schema position of each DTensor operand -> its index in call.tensors (flat tensors only)."""
+    out, k = {}, 0
+    for pos, a in enumerate(call.args):
+        if isinstance(a, TensorMeta):
+            out[pos] = k
+            k += 1
+        elif isinstance(a, (list, tuple)):
+            k += sum(1 for b in a if isinstance(b, TensorMeta))
+    return out
+
+
+def _tensor_operands(call: OpCall) -> int:
+    """How many operands of the call are tensors or numbers standing in for tensors (schema
+    arguments of type Tensor), DTensor or not."""
+    n = 0
+    for pos, a in enumerate(call.op._schema.arguments):
+        if str(a.type) == "Tensor" and pos < len(call.args):
+            n += 1
+    return n
 
 
 def pointwise_rule(call: OpCall):
@@ -45,16 +79,26 @@ def pointwise_rule(call: OpCall):
         strategies.append(((out,), tuple(follow_output(t, out_shape, out) for t in tensors)))
     op = call.op
     n = len(tensors)
-    if op in _LINEAR_JOINT and all(t.shape == out_shape for t in tensors):
+    positions = _dtensor_positions(call)
+    all_dtensor = len(positions) == n and _tensor_operands(call) == n
+    if op in _LINEAR_JOINT and all_dtensor and all(t.shape == out_shape for t in tensors):
         for red in LINEAR_REDUCE_OPS:
             strategies.append(((Partial(red),), (Partial(red),) * n))
-    if op is aten.where.self and n == 3:
+    if op is aten.where.self and n == 3 and all_dtensor and tensors[1].shape == tensors[2].shape == out_shape:
         # where(cond, P, P) -> P: each partial term picks from its own a_i / b_i
         for red in LINEAR_REDUCE_OPS:
             strategies.append(((Partial(red),), (R, Partial(red), Partial(red))))
+    elif op is aten.masked_fill.Scalar and positions.get(0) == 0:
+        # a constant on every rank: a valid max/min term; zero is a valid sum/avg term too
+        value = call.arg(2, "value")
+        reds = ("max", "min") + (("sum", "avg") if value == 0 and not isinstance(value, bool) else ())
+        if tensors[0].shape == out_shape:
+            for red in reds:
+                strategies.append(((Partial(red),), (Partial(red),) + (R,) * (n - 1)))
     elif op in _LINEAR_IN:
-        for k in _LINEAR_IN[op]:
-            if k < n and tensors[k].shape == out_shape:
+        for pos in _LINEAR_IN[op]:
+            k = positions.get(pos)
+            if k is not None and tensors[k].shape == out_shape:
                 for red in LINEAR_REDUCE_OPS:
                     ins = tuple(Partial(red) if j == k else R for j in range(n))
                     strategies.append(((Partial(red),), ins))
@@ -75,6 +119,10 @@ def _pointwise_ops() -> list:
         op = getattr(packet, overload, None) if packet is not None else None
         if op is None or torch.Tag.pointwise not in op.tags or op._schema.is_mutable:
             continue
+        if torch.Tag.nondeterministic_seeded in op.tags:
+            continue  # random (rrelu, ...): dtshard/rules/random.py draws them consistently
+        if not op._schema.returns or any(str(r.type) != "Tensor" for r in op._schema.returns):
+            continue  # e.g. equal -> bool: a per-shard answer is not the global one (misc.py)
         ops.append(op)
     return ops
 
@@ -82,6 +130,17 @@ def _pointwise_ops() -> list:
 # Ops that are not tagged pointwise but shard like it (elementwise, broadcasting).
 _EXTRA = [
     aten.where.self,
+    aten.floor_divide.default,
+    aten.rsub.Tensor,
+    aten.elu_backward.default,
+    aten.log_sigmoid_forward.default,
+    aten.log_sigmoid_backward.default,
+    aten.softplus_backward.default,
+    aten.hardsigmoid_backward.default,
+    aten.hardswish_backward.default,
+    aten.mish_backward.default,
+    aten.softshrink_backward.default,
+    aten.hardshrink_backward.default,
     aten.masked_fill.Tensor,
     aten.threshold_backward.default,
     aten.gelu_backward.default,
@@ -94,3 +153,21 @@ _ELSEWHERE = {aten.clone.default, aten._to_copy.default, aten.copy.default, aten
 
 _POINTWISE = sorted({*_pointwise_ops(), *_EXTRA} - _ELSEWHERE, key=str)
 register_rule(_POINTWISE)(pointwise_rule)
+
+
+@register_rule(aten._prelu_kernel.default)
+def prelu_rule(call: OpCall):
+    # prelu(x, weight): weight is per channel (dim 1) or a single value
+    x, w = call.tensors[0], call.tensors[1]
+    strategies = [((Shard(d),), (Shard(d), R)) for d in range(x.ndim) if d != 1]
+    if x.ndim > 1 and w.numel() == x.shape[1] and w.numel() > 1 and w.ndim == 1:
+        strategies.append(((Shard(1),), (Shard(1), Shard(0))))
+    return strategies
+
+
+@register_rule(aten._prelu_kernel_backward.default)
+def prelu_backward_rule(call: OpCall):
+    # (grad_input, grad_weight): grad_weight sums over every dim but the channels
+    g, x, w = call.tensors
+    strategies = [((Shard(d), Partial("sum")), (Shard(d), Shard(d), R)) for d in range(x.ndim) if d != 1]
+    return strategies

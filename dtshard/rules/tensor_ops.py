@@ -23,10 +23,32 @@ def _same_layout(x, partials=_PARTIALS, n_in: int = 1):
     return strategies
 
 
-@register_rule([aten.detach.default, aten.alias.default, aten.clone.default, aten._to_copy.default,
-                aten.lift_fresh.default])
+@register_rule([aten.detach.default, aten.alias.default, aten.clone.default, aten.lift_fresh.default,
+                aten.alias_copy.default, aten.detach_copy.default, aten.lift_fresh_copy.default])
 def identity_rule(call: OpCall):
     return _same_layout(call.tensors[0])
+
+
+@register_rule(aten._to_copy.default)
+def to_copy_rule(call: OpCall):
+    # A dtype conversion commutes with a Partial reduction only sometimes: converting partial sums
+    # to an integer or bool type truncates each term (int(0.6) + int(0.6) != int(1.2)); max/min
+    # commute with monotone conversions (float <-> int truncation), not with bool.
+    x = call.tensors[0]
+    dtype = call.kwargs.get("dtype")
+    if dtype is None or dtype == x.dtype:
+        return _same_layout(x)
+    partials = []
+    if dtype.is_floating_point or dtype.is_complex:
+        if x.dtype.is_floating_point or x.dtype.is_complex:
+            partials = list(_PARTIALS) if not dtype.is_complex or x.dtype.is_complex else [Partial("sum"), Partial("avg")]
+            if dtype.itemsize < x.dtype.itemsize:  # narrowing: reduce the terms in the wider type first
+                partials = [p for p in partials if p.reduce_op in ("max", "min")]
+        else:  # int -> float: exact for the small integers a Partial(sum) of ints holds
+            partials = list(_PARTIALS)
+    elif dtype != torch.bool and not (x.dtype.is_complex):
+        partials = [Partial("max"), Partial("min")] if x.dtype.is_floating_point else list(_PARTIALS)
+    return _same_layout(x, partials=tuple(partials))
 
 
 @register_rule(aten.copy.default)

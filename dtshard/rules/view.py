@@ -73,7 +73,8 @@ def view_or_copy(op, x, size):
         return aten._unsafe_view.default(x.contiguous(), size)
 
 
-@register_rule([aten.view.default, aten._unsafe_view.default], shape_args={1: 0}, local=view_or_copy)
+@register_rule([aten.view.default, aten._unsafe_view.default, aten.view_copy.default], shape_args={1: 0},
+               local=view_or_copy)
 def view_rule(call: OpCall):
     x = call.tensors[0]
     out_shape = _resolve_shape(call.arg(1, "size"), x.numel())
@@ -88,7 +89,7 @@ def view_rule(call: OpCall):
     return strategies
 
 
-@register_rule(aten.expand.default, shape_args={1: 0})
+@register_rule([aten.expand.default, aten.expand_copy.default], shape_args={1: 0})
 def expand_rule(call: OpCall):
     x = call.tensors[0]
     size = list(call.arg(1, "size"))
@@ -112,7 +113,7 @@ def _dim_map_strategies(x, mapping: dict[int, int], partial: bool = True):
     return strategies
 
 
-@register_rule(aten.transpose.int)
+@register_rule([aten.transpose.int, aten.transpose_copy.int])
 def transpose_rule(call: OpCall):
     x = call.tensors[0]
     n = max(x.ndim, 1)
@@ -123,20 +124,20 @@ def transpose_rule(call: OpCall):
     return _dim_map_strategies(x, {perm[o]: o for o in range(x.ndim)})
 
 
-@register_rule(aten.t.default)
+@register_rule([aten.t.default, aten.t_copy.default])
 def t_rule(call: OpCall):
     x = call.tensors[0]
     return _dim_map_strategies(x, {0: 1, 1: 0} if x.ndim == 2 else {0: 0} if x.ndim == 1 else {})
 
 
-@register_rule(aten.permute.default)
+@register_rule([aten.permute.default, aten.permute_copy.default])
 def permute_rule(call: OpCall):
     x = call.tensors[0]
     dims = [norm_dim(d, x.ndim) for d in call.arg(1, "dims")]
     return _dim_map_strategies(x, {d: o for o, d in enumerate(dims)})
 
 
-@register_rule(aten.unsqueeze.default)
+@register_rule([aten.unsqueeze.default, aten.unsqueeze_copy.default])
 def unsqueeze_rule(call: OpCall):
     x = call.tensors[0]
     u = norm_dim(call.arg(1, "dim"), x.ndim + 1)
@@ -148,47 +149,48 @@ def _squeeze_map(x, dims) -> dict[int, int]:
     return {d: d - sum(1 for r in dropped if r < d) for d in range(x.ndim) if d not in dropped}
 
 
-@register_rule(aten.squeeze.default)
+@register_rule([aten.squeeze.default, aten.squeeze_copy.default])
 def squeeze_rule(call: OpCall):
     x = call.tensors[0]
     return _dim_map_strategies(x, _squeeze_map(x, range(x.ndim)))
 
 
-@register_rule(aten.squeeze.dim)
+@register_rule([aten.squeeze.dim, aten.squeeze_copy.dim])
 def squeeze_dim_rule(call: OpCall):
     x = call.tensors[0]
     return _dim_map_strategies(x, _squeeze_map(x, [norm_dim(call.arg(1, "dim"), x.ndim)] if x.ndim else []))
 
 
-@register_rule(aten.squeeze.dims)
+@register_rule([aten.squeeze.dims, aten.squeeze_copy.dims])
 def squeeze_dims_rule(call: OpCall):
     x = call.tensors[0]
     dims = [norm_dim(d, x.ndim) for d in call.arg(1, "dim")] if x.ndim else []
     return _dim_map_strategies(x, _squeeze_map(x, dims))
 
 
-@register_rule(aten.slice.Tensor)
+@register_rule([aten.slice.Tensor, aten.slice_copy.Tensor])
 def slice_rule(call: OpCall):
     x = call.tensors[0]
     dim = norm_dim(call.arg(1, "dim", 0), x.ndim)
     return _dim_map_strategies(x, {d: d for d in range(x.ndim) if d != dim})
 
 
-@register_rule(aten.select.int)
+@register_rule([aten.select.int, aten.select_copy.int])
 def select_rule(call: OpCall):
     x = call.tensors[0]
     dim = norm_dim(call.arg(1, "dim"), x.ndim)
     return _dim_map_strategies(x, {d: d if d < dim else d - 1 for d in range(x.ndim) if d != dim})
 
 
-@register_rule([aten.split.Tensor, aten.split_with_sizes.default])
+@register_rule([aten.split.Tensor, aten.split_with_sizes.default, aten.unsafe_split.Tensor,
+                aten.unsafe_split_with_sizes.default, aten.split_with_sizes_copy.default, aten.split_copy.Tensor])
 def split_rule(call: OpCall):
     x = call.tensors[0]
     dim = norm_dim(call.arg(2, "dim", 0), x.ndim)
     return _dim_map_strategies(x, {d: d for d in range(x.ndim) if d != dim})
 
 
-@register_rule(aten.unbind.int)
+@register_rule([aten.unbind.int, aten.unbind_copy.int])
 def unbind_rule(call: OpCall):
     x = call.tensors[0]
     dim = norm_dim(call.arg(1, "dim", 0), x.ndim)
@@ -208,3 +210,76 @@ def slice_backward_rule(call: OpCall):
     g = call.tensors[0]
     dim = norm_dim(call.arg(2, "dim"), g.ndim)
     return _dim_map_strategies(g, {d: d for d in range(g.ndim) if d != dim})
+
+
+# ---------------------------------------------------------------------------------------------
+# rearrangements: flip, roll, repeat, tril/triu (constant_pad_nd: conv.py's halo handler)
+# ---------------------------------------------------------------------------------------------
+
+
+@register_rule(aten.flip.default)
+def flip_rule(call: OpCall):
+    x = call.tensors[0]
+    flipped = {norm_dim(d, x.ndim) for d in call.arg(1, "dims")} if x.ndim else set()
+    return _dim_map_strategies(x, {d: d for d in range(x.ndim) if d not in flipped})
+
+
+@register_rule(aten.roll.default)
+def roll_rule(call: OpCall):
+    x = call.tensors[0]
+    dims = call.arg(2, "dims", [])
+    if not dims:  # rolls the flattened tensor: every dim moves
+        return _partials()
+    rolled = {norm_dim(d, x.ndim) for d in dims}
+    return _dim_map_strategies(x, {d: d for d in range(x.ndim) if d not in rolled})
+
+
+@register_rule(aten.repeat.default)
+def repeat_rule(call: OpCall):
+    x = call.tensors[0]
+    reps = list(call.arg(1, "repeats"))
+    lead = len(reps) - x.ndim
+    # a dim repeated once keeps its shard; repeating a sharded dim would interleave the chunks
+    return _dim_map_strategies(x, {d: d + lead for d in range(x.ndim) if reps[d + lead] == 1})
+
+
+@register_rule([aten.tril.default, aten.triu.default])
+def tril_rule(call: OpCall):
+    # the mask depends on the (row, col) position within the last two dims: batch dims only
+    x = call.tensors[0]
+    return _dim_map_strategies(x, {d: d for d in range(x.ndim - 2)})
+
+
+@register_rule(aten.narrow_copy.default)
+def narrow_copy_rule(call: OpCall):
+    x = call.tensors[0]
+    dim = norm_dim(call.arg(1, "dim"), x.ndim)
+    return _dim_map_strategies(x, {d: d for d in range(x.ndim) if d != dim})
+
+
+@register_rule(aten.select_scatter.default)
+def select_scatter_rule(call: OpCall):
+    # select_scatter(self, src, dim, index): src is self without `dim`; linear in (self, src)
+    x = call.tensors[0]
+    dim = norm_dim(call.arg(2, "dim"), x.ndim)
+    strategies = [((Shard(d),), (Shard(d), Shard(d if d < dim else d - 1))) for d in range(x.ndim) if d != dim]
+    return strategies + _partials(n_in=2)
+
+
+@register_rule(aten.slice_scatter.default)
+def slice_scatter_rule(call: OpCall):
+    x = call.tensors[0]
+    dim = norm_dim(call.arg(2, "dim", 0), x.ndim)
+    strategies = [((Shard(d),), (Shard(d), Shard(d))) for d in range(x.ndim) if d != dim]
+    return strategies + _partials(n_in=2)
+
+
+@register_rule(aten.diagonal_backward.default, shape_args={1: 0})
+def diagonal_backward_rule(call: OpCall):
+    # grad has the batch dims of the input (in order) and the diagonal last; zeros elsewhere
+    g = call.tensors[0]
+    nd = len(call.arg(1, "input_sizes"))
+    d1 = norm_dim(call.arg(3, "dim1"), nd)
+    d2 = norm_dim(call.arg(4, "dim2"), nd)
+    rest = [d for d in range(nd) if d not in (d1, d2)]
+    return _dim_map_strategies(g, {o: d for o, d in enumerate(rest)})

@@ -1,0 +1,184 @@
+"""``_foreach_*`` list ops (what ``torch.optim`` runs with ``foreach=True``) and the fused Adam/AdamW
+steps.
+
+A foreach op applies one op to each index of its tensor lists, and optimizer lists mix placements
+freely (a column-sharded weight next to a replicated bias).  A rule sees no placements, so a
+single strategy cannot describe such a list; these are **handlers** that run the per-element op on
+each index's DTensors (``_foreach_add_.List(xs, ys, alpha=a)`` -> ``xs[i].add_(ys[i], alpha=a)``).
+Each element goes through the normal dispatch (cached plans, exact for uneven shards), so an
+element keeps its own placement; an in-place element op that would have to change ``self``'s
+placement raises as the plain in-place op does.
+
+``_fused_adam_`` / ``_fused_adamw_`` are written as the same per-parameter math with DTensor ops
+(the reference formulas of ``torch.optim.adam``'s single-tensor path).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dtshard.registry import register_handler
+
+aten = torch.ops.aten
+
+
+def _dt_class():
+    from dtshard.tensor import DTensor
+
+    return DTensor
+
+
+# foreach base name -> the per-element function (python API: it picks the right overload)
+_SPECIAL = {
+    "norm": lambda x, ord=2, dtype=None: torch.linalg.vector_norm(x, ord, dtype=dtype),
+    "max": lambda x: torch.max(x),
+    "copy": lambda x, src, non_blocking=False: x.clone().copy_(src, non_blocking),
+    "zero": lambda x: torch.zeros_like(x),
+    "clone": lambda x, memory_format=None: x.clone(memory_format=memory_format)
+    if memory_format is not None else x.clone(),
+    "powsum": lambda x, ord=2, dtype=None: torch.sum(torch.pow(torch.abs(x), ord), dtype=dtype),
+}
+_SPECIAL_INPLACE = {
+    "copy_": lambda x, src, non_blocking=False: x.copy_(src, non_blocking),
+    "zero_": lambda x: x.zero_(),
+}
+# ops whose scalar is the keyword-only `value` of the element op
+_VALUE_KW = {"addcmul", "addcdiv"}
+
+
+def _element_fn(name: str):
+    inplace = name.endswith("_")
+    base = name[:-1] if inplace else name
+    if inplace and name in _SPECIAL_INPLACE:
+        return _SPECIAL_INPLACE[name]
+    if not inplace and base in _SPECIAL:
+        return _SPECIAL[base]
+    if inplace:
+        method = getattr(torch.Tensor, name, None)
+        if method is not None:
+            return method
+        out_of_place = _element_fn(base)
+        return lambda x, *a, **k: x.copy_(out_of_place(x, *a, **k))  # e.g. maximum_: no Tensor method
+    fn = getattr(torch, base, None)
+    if fn is None:
+        fn = getattr(torch.special, base, None)
+    if fn is None:
+        raise NotImplementedError(f"dtshard: no per-element op for _foreach_{name}")
+    return fn
+
+
+def _foreach_handler(op, args, kwargs):
+    name = op._overloadpacket.__name__[len("_foreach_"):]
+    fn = _element_fn(name)
+    base = name.rstrip("_")
+    schema = op._schema.arguments
+    # lengths: the tensor lists (Tensor[]) and scalar lists (Scalar[]) are indexed per element
+    bound = []
+    for k, a in enumerate(schema):
+        if k < len(args):
+            bound.append((a, args[k], False))
+        elif a.name in kwargs:
+            bound.append((a, kwargs[a.name], True))
+    lists = [v for a, v, _ in bound if isinstance(a.type, torch.ListType)]
+    if not lists:
+        raise NotImplementedError(f"dtshard: {op} has no list argument")
+    n = len(lists[0])
+    outs = []
+    for i in range(n):
+        pos, kw = [], {}
+        for a, v, is_kw in bound:
+            if isinstance(a.type, torch.ListType):
+                v = v[i]
+            elif str(a.type) == "Tensor" and a.name == "scalars":  # addcmul/addcdiv .Tensor: one scalar per element
+                v = v[i].item()
+            if base in _VALUE_KW and a.name in ("value", "scalars"):
+                kw["value"] = v
+            elif is_kw or a.kwarg_only:
+                kw[a.name] = v
+            else:
+                pos.append(v)
+        outs.append(fn(*pos, **kw))
+    returns = op._schema.returns
+    if not returns:
+        return None
+    return outs
+
+
+def _foreach_ops() -> list:
+    ops = []
+    for schema in torch._C._jit_get_all_schemas():
+        if not schema.name.startswith("aten::_foreach_"):
+            continue
+        packet = getattr(aten, schema.name[6:], None)
+        op = getattr(packet, schema.overload_name or "default", None) if packet is not None else None
+        if op is None or op in ops:
+            continue
+        if any(a.is_out for a in op._schema.arguments):
+            continue  # .out overloads: not used by torch.optim
+        if schema.name[len("aten::_foreach_"):] in ("mm",):
+            continue
+        ops.append(op)
+    return ops
+
+
+register_handler(_foreach_ops())(_foreach_handler)
+
+
+# ---------------------------------------------------------------------------------------------
+# fused Adam / AdamW
+# ---------------------------------------------------------------------------------------------
+
+
+def _scalar(v):
+    return v.item() if isinstance(v, torch.Tensor) else v
+
+
+def _fused_adam_handler(op, args, kwargs):
+    """``_fused_adam(w)_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *,
+    lr, beta1, beta2, weight_decay, eps, amsgrad, maximize, grad_scale, found_inf)``: the step
+    counters are plain tensors already incremented by the optimizer (as for the fused kernel)."""
+    names = [a.name for a in op._schema.arguments]
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    params, grads = bound["self"], bound["grads"]
+    exp_avgs, exp_avg_sqs = bound["exp_avgs"], bound["exp_avg_sqs"]
+    max_sqs, steps = bound["max_exp_avg_sqs"], bound["state_steps"]
+    lr, beta1, beta2 = _scalar(bound["lr"]), bound["beta1"], bound["beta2"]
+    wd, eps = bound["weight_decay"], bound["eps"]
+    amsgrad, maximize = bound["amsgrad"], bound["maximize"]
+    grad_scale, found_inf = bound.get("grad_scale"), bound.get("found_inf")
+    if found_inf is not None and float(_scalar(found_inf)) != 0.0:
+        return None
+    adamw = op._overloadpacket is aten._fused_adamw_
+    for i, p in enumerate(params):
+        g = grads[i]
+        if grad_scale is not None:
+            g = g / _scalar(grad_scale)
+        if maximize:
+            g = -g
+        step = float(_scalar(steps[i]))
+        if wd != 0:
+            if adamw:
+                p.mul_(1 - lr * wd)
+            else:
+                g = g + p * wd
+        exp_avgs[i].lerp_(g, 1 - beta1)
+        exp_avg_sqs[i].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        bias1 = 1 - beta1 ** step
+        bias2 = 1 - beta2 ** step
+        step_size = lr / bias1
+        bias2_sqrt = math.sqrt(bias2)
+        if amsgrad:
+            max_sqs[i].copy_(torch.maximum(max_sqs[i], exp_avg_sqs[i]))
+            denom = (max_sqs[i].sqrt() / bias2_sqrt).add_(eps)
+        else:
+            denom = (exp_avg_sqs[i].sqrt() / bias2_sqrt).add_(eps)
+        p.addcdiv_(exp_avgs[i], denom, value=-step_size)
+    return None
+
+
+_FUSED = [op for name in ("_fused_adam_", "_fused_adamw_") for op in (
+    getattr(getattr(aten, name, None), ov, None) for ov in ("default", "tensor_lr")) if op is not None]
+register_handler(_FUSED)(_fused_adam_handler)

@@ -1,0 +1,137 @@
+"""Random ops (dropout, bernoulli, uniform_/normal_/..., rand_like, multinomial, rrelu, ...).
+
+Design: **every rank draws the FULL-size random tensor from its default generator, and keeps its
+slice.**  Consequences:
+
+- a sharded tensor never repeats one mask on every shard: each rank keeps a different slice of
+  one draw;
+- replicated tensors draw identically on every rank (same generator state, same draw);
+- results are reproducible under ``torch.manual_seed`` and equal, bit for bit, to the same op on
+  the plain global tensor in one process (same draw, same order), whatever the placements;
+- every rank's generator advances by the same amount, so later draws stay in step.
+
+The price is that each rank generates ``numel(global)`` random numbers instead of its share (no
+communication, but O(global) work and a transient global-size buffer).  PyTorch's DTensor instead
+offsets a Philox counter per shard (CUDA only; on CPU it draws per shard from the same state, so
+every shard of a sharded tensor gets the same pattern); an offset-based generator would avoid the
+full draw but cannot reproduce the single-process values.
+
+Ops whose result does not depend on ``self``'s values (``bernoulli_(p)``, ``uniform_``, ``normal_``,
+``exponential_``, ..., which dropout decomposes into) need no communication at all.  Ops that read
+tensor values (``bernoulli(probs)``, ``normal(mean, std)``, ``multinomial``, ``native_dropout``,
+``rrelu_with_noise``, ...) first replicate those inputs (all_gather / all_reduce), run the op on the
+full tensors and keep the output's slice.  Outputs follow the placements of the first DTensor input
+when they have its shape (Partial taken as Replicate), else they are replicated.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor.placement_types import Partial, Replicate
+
+from dtshard.registry import register_handler
+
+aten = torch.ops.aten
+
+
+def _ops(names) -> list:
+    out = []
+    for n in names:
+        packet, _, overload = n.partition(".")
+        op = getattr(getattr(aten, packet, None), overload or "default", None)
+        if op is not None:
+            out.append(op)
+    return out
+
+
+# in-place fills whose values do not depend on self: only self's metadata is needed
+_VALUE_FREE = _ops([
+    "bernoulli_.float", "uniform_", "normal_", "exponential_", "cauchy_", "log_normal_", "geometric_",
+    "random_", "random_.from", "random_.to",
+])
+# everything else: replicate the tensor inputs, run on the full tensors, keep the slice
+_VALUE_DEPENDENT = _ops([
+    "bernoulli", "bernoulli.p", "bernoulli.Tensor", "bernoulli_.Tensor", "native_dropout",
+    "uniform", "normal.Tensor_Tensor", "normal.Tensor_float", "normal.float_Tensor", "normal_functional",
+    "cauchy", "exponential", "geometric", "log_normal", "random", "random.from", "random.to",
+    "multinomial", "poisson", "binomial", "_standard_gamma", "_sample_dirichlet",
+    "rand_like", "randn_like", "randint_like", "randint_like.low_dtype", "randint_like.Tensor",
+    "rrelu_with_noise", "rrelu_with_noise_", "rrelu_with_noise_functional", "rrelu", "rrelu_",
+    "alpha_dropout", "alpha_dropout_", "feature_alpha_dropout", "feature_alpha_dropout_",
+    "dropout", "dropout_", "feature_dropout", "feature_dropout_", "_fused_dropout",
+])
+
+
+def _dt_class():
+    from dtshard.tensor import DTensor
+
+    return DTensor
+
+
+def _walk(a, fn):
+    if isinstance(a, (list, tuple)):
+        return type(a)(_walk(b, fn) for b in a)
+    return fn(a)
+
+
+def _follow(p):
+    return Replicate() if isinstance(p, Partial) else p
+
+
+def _from_full(full: torch.Tensor, mesh, placements):
+    """A DTensor with the given placements whose global value is ``full`` (the same on every rank):
+    wrapped as Replicate, then redistributed (a local slice for Shard; terms for Partial)."""
+    DT = _dt_class()
+    rep = [Replicate()] * mesh.ndim
+    d = DT.from_local(full, mesh, rep, shape=tuple(full.shape), stride=tuple(full.stride()))
+    return d.redistribute(mesh, list(placements)) if tuple(placements) != tuple(rep) else d
+
+
+def _random_handler(op, args, kwargs):
+    with torch.no_grad():  # below autograd: the op's own backward formula handles gradients
+        return _random_impl(op, args, kwargs)
+
+
+def _random_impl(op, args, kwargs):
+    DT = _dt_class()
+    dts = []
+    _walk((list(args), list(kwargs.values())), lambda a: dts.append(a) if isinstance(a, DT) else None)
+    mesh = dts[0].device_mesh
+    rep = [Replicate()] * mesh.ndim
+    value_free = op in _VALUE_FREE_SET
+
+    def full(a, self_slot=False):
+        if not isinstance(a, DT):
+            return a
+        if value_free and self_slot:
+            return torch.empty_strided(tuple(a.shape), tuple(a.stride()), dtype=a.dtype)
+        return a.redistribute(mesh, rep).to_local().clone()
+
+    fargs = [_walk(a, lambda b, k=k: full(b, k == 0)) for k, a in enumerate(args)]
+    fkwargs = {k: _walk(v, full) for k, v in kwargs.items()}
+    out = op(*fargs, **fkwargs)
+
+    # write mutated DTensor arguments back (self of an in-place op, rrelu's noise, ...)
+    schema_args = op._schema.arguments
+    for k, a in enumerate(args):
+        info = schema_args[k].alias_info if k < len(schema_args) else None
+        if isinstance(a, DT) and info is not None and info.is_write:
+            aten.copy_.default(a, _from_full(fargs[k], mesh, a.placements))
+    returns = op._schema.returns
+    if len(returns) == 1 and returns[0].alias_info is not None and returns[0].alias_info.is_write:
+        return args[0]
+
+    ref = dts[0]
+    target = [_follow(p) for p in ref.placements]
+
+    def wrap(o):
+        if not isinstance(o, torch.Tensor):
+            return o
+        ps = target if tuple(o.shape) == tuple(ref.shape) else rep
+        return _from_full(o, mesh, ps)
+
+    return _walk(out, wrap)
+
+
+_VALUE_FREE_SET = frozenset(_VALUE_FREE)
+register_handler(_VALUE_FREE + _VALUE_DEPENDENT)(_random_handler)
