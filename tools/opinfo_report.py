@@ -53,7 +53,7 @@ def regenerate() -> int:
         t0 = time.time()
         cases = S.config_cases(cfg)
         _log(f"mesh {cfg['name']}: {len(cases)} cases")
-        records = S.run_sweep("dtshard", cfg["mesh"], cases, log=_log)
+        records = S.run_sweep("dtshard", cfg["mesh"], cases, stall_s=90.0, log=_log)
         fails = S.failure_entries(cases, records)
         summary, _ = S.summarize(cases, records)
         silent = {k: v for k, v in fails.items() if v["status"] in S.SILENT}
