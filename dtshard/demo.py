@@ -344,6 +344,59 @@ def report(cfg: Config, steps: int, ranks: list[dict], elapsed: float) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
+def train_cnn_worker(steps: int, height: int = 14, width: int = 12) -> dict:
+    """The UNet of dtshard.models with the images sharded on H (a spatial dim: convolutions and
+    pooling exchange halos with their neighbours), next to the same model in one process."""
+    from dtshard.models import train_unet, unet_params, unet_stats
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, height, width, generator=g)
+    y = torch.randn(2, 2, height, width, generator=g)
+    ref_p = {k: v.clone().requires_grad_() for k, v in unet_params().items()}
+    ref_s = unet_stats()
+    rep = [Replicate()]
+    xd = distribute_tensor(x, mesh, [Shard(2)])
+    yd = distribute_tensor(y, mesh, [Shard(2)])
+    dp = {k: distribute_tensor(v, mesh, rep).requires_grad_() for k, v in unet_params().items()}
+    ds = {k: distribute_tensor(v, mesh, rep) for k, v in unet_stats().items()}
+    rows = []
+    for _ in range(steps):
+        (loss_ref,) = train_unet(x, y, ref_p, ref_s, "size", 1)
+        with CommCounter() as comm:
+            (loss,) = train_unet(xd, yd, dp, ds, "size", 1)
+        got = loss.full_tensor().item()
+        dev_w = max(float((dp[k].detach().full_tensor() - ref_p[k].detach()).abs().max()) for k in ref_p)
+        kinds = {}
+        for r in comm.records:
+            kinds[r.kind] = kinds.get(r.kind, 0) + 1
+        rows.append({"loss": got, "ref": loss_ref.item(), "dev_w": dev_w, "kinds": kinds, "bytes": comm.bytes(),
+                     "local_h": tuple(xd.to_local().shape)[2]})
+    return {"rows": rows}
+
+
+def report_cnn(steps: int, world: int, ranks: list[dict], elapsed: float, height: int) -> bool:
+    print(f"UNet (conv3x3 + batch_norm + relu, max_pool, nearest upsampling, skip concat) on images "
+          f"(2, 3, {height}, 12) sharded on H over {world} ranks (local H: "
+          f"{', '.join(str(r['rows'][0]['local_h']) for r in ranks)}), vs the same model in one process")
+    headers = ["step", "loss dtshard", "loss torch", "|d loss|", "max|d W|", "collectives", "bytes", ""]
+    rows, ok = [], True
+    for k in range(steps):
+        rs = [r["rows"][k] for r in ranks]
+        dl = max(abs(r["loss"] - r["ref"]) for r in rs)
+        dw = max(r["dev_w"] for r in rs)
+        good = dl <= 1e-6 + 1e-5 * abs(rs[0]["ref"]) and dw <= 1e-5
+        ok = ok and good
+        kinds = ", ".join(f"{_KINDS.get(kd, kd)} x{n}" for kd, n in sorted(rs[0]["kinds"].items()))
+        rows.append([str(k + 1), f"{rs[0]['loss']:.7f}", f"{rs[0]['ref']:.7f}", f"{dl:.1e}", f"{dw:.1e}",
+                     kinds, f"{rs[0]['bytes']:,}", "ok" if good else "MISMATCH"])
+    print(_table(headers, rows, "rrrrrlrl"))
+    print(("OK" if ok else "FAILED") + f": {steps} steps on {world} ranks ({elapsed:.1f} s); "
+          "A2A are the halo exchanges, AR the batch-norm statistics and the replicated weights' gradients")
+    return ok
+
+
 def _under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
 
@@ -353,9 +406,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="SGD steps (default 5)")
     parser.add_argument("--world-size", type=int, default=2,
                         help="CPU processes to spawn (default 2; ignored under torchrun)")
+    parser.add_argument("--model", choices=("block", "cnn"), default="block",
+                        help="block: the tensor-parallel transformer block (default); cnn: a UNet "
+                             "with the images sharded on H (spatial halo exchange)")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.world_size < 1:
         parser.error("--steps and --world-size must be >= 1")
+    if args.model == "cnn":
+        return _main_cnn(args)
 
     from dtshard.demo import train_worker as worker  # by module name, so spawned ranks import it
     from dtshard.testing import DistributedTestError, launch
@@ -380,6 +438,23 @@ def main(argv: list[str] | None = None) -> int:
     if torchrun and int(os.environ["RANK"]) != 0:
         return 0 if _all_ok(ranks) else 1
     return 0 if report(cfg, args.steps, ranks, elapsed) else 1
+
+
+def _main_cnn(args) -> int:
+    from dtshard.demo import train_cnn_worker  # by module name, so spawned ranks import it
+    from dtshard.testing import DistributedTestError, launch
+
+    torchrun = _under_torchrun()
+    world = int(os.environ["WORLD_SIZE"]) if torchrun else args.world_size
+    start = time.perf_counter()
+    try:
+        results = launch(train_cnn_worker, world, args.steps, timeout=300.0)
+    except DistributedTestError as e:
+        print(f"FAILED: the demo raised on some rank:\n{e}", file=sys.stderr)
+        return 1
+    if torchrun and int(os.environ["RANK"]) != 0:
+        return 0
+    return 0 if report_cnn(args.steps, world, results, time.perf_counter() - start, 14) else 1
 
 
 def _all_ok(ranks: list[dict]) -> bool:

@@ -18,74 +18,19 @@ import torch.nn.functional as F
 
 import dtshard
 from dtshard import Replicate, Shard
+from dtshard.models import train_unet, unet, unet_params, unet_stats
 from dtshard.testing import run_distributed
 
 from _cases import mesh
 
 _STEPS = 5
 _LR = 0.05
-
-
-def _params(c_in: int = 3, c_out: int = 2) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-
-    def conv(o, i, k):
-        return (torch.randn(o, i, k, k, generator=g) * (2.0 / (i * k * k)) ** 0.5,
-                torch.randn(o, generator=g) * 0.1)
-
-    p = {}
-    for name, (o, i, k) in {"enc1": (4, c_in, 3), "enc2": (8, 4, 3), "mid": (8, 8, 3), "dec2": (8, 16, 3),
-                            "dec1": (4, 12, 3), "head": (c_out, 4, 1)}.items():
-        p[f"{name}.w"], p[f"{name}.b"] = conv(o, i, k)
-        if name != "head":
-            p[f"{name}.gamma"] = 1 + 0.1 * torch.randn(o, generator=g)
-            p[f"{name}.beta"] = 0.1 * torch.randn(o, generator=g)
-    return p
-
-
-def _stats() -> dict[str, torch.Tensor]:
-    out = {}
-    for name, c in (("enc1", 4), ("enc2", 8), ("mid", 8), ("dec2", 8), ("dec1", 4)):
-        out[f"{name}.mean"], out[f"{name}.var"] = torch.zeros(c), torch.ones(c)
-    return out
-
-
-def _block(x, p, s, name):
-    x = F.conv2d(x, p[f"{name}.w"], p[f"{name}.b"], padding=1)
-    x = F.batch_norm(x, s[f"{name}.mean"], s[f"{name}.var"], p[f"{name}.gamma"], p[f"{name}.beta"],
-                     training=True, momentum=0.1, eps=1e-5)
-    return F.relu(x)
-
-
-def unet(x, p, s, up: str):
-    e1 = _block(x, p, s, "enc1")                    # H
-    e2 = _block(F.max_pool2d(e1, 2), p, s, "enc2")  # H/2
-    m = _block(F.max_pool2d(e2, 2), p, s, "mid")    # H/4
-    if up == "x2":  # sizes divisible by 4: the aligned scale_factor path
-        u2 = F.interpolate(m, scale_factor=2, mode="nearest")
-    else:  # odd sizes: upsample to the skip's size (a non-integer scale)
-        u2 = F.interpolate(m, size=tuple(e2.shape[-2:]), mode="nearest")
-    d2 = _block(torch.cat([u2, e2], dim=1), p, s, "dec2")
-    if up == "x2":
-        u1 = F.interpolate(d2, scale_factor=2, mode="nearest")
-    else:
-        u1 = F.interpolate(d2, size=tuple(e1.shape[-2:]), mode="nearest")
-    d1 = _block(torch.cat([u1, e1], dim=1), p, s, "dec1")
-    return F.conv2d(d1, p["head.w"], p["head.b"])
+# the model lives in the package (the demo trains it too)
+_params, _stats = unet_params, unet_stats
 
 
 def _train(x, y, p, s, up: str):
-    losses = []
-    for _ in range(_STEPS):
-        loss = F.mse_loss(unet(x, p, s, up), y)
-        for t in p.values():
-            t.grad = None
-        loss.backward()
-        with torch.no_grad():
-            for t in p.values():
-                t.sub_(_LR * t.grad)
-        losses.append(loss.detach())
-    return losses
+    return train_unet(x, y, p, s, up, _STEPS, _LR)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
