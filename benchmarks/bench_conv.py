@@ -2,8 +2,8 @@
 """Spatially sharded conv2d (dtshard's halo exchange) vs the unsharded conv, and vs
 torch.distributed.tensor, forward + backward, on 2 gloo CPU ranks.  One command:
 
-    python benchmarks/bench_conv.py                 # 4x32x256x256, conv 3x3 32->32 (~1-2 min)
-    python benchmarks/bench_conv.py --big           # 8x64x512x512, conv 3x3 64->64 (~15-25 min, ~8 GB)
+    python benchmarks/bench_conv.py                 # 4x32x256x256, conv 3x3 32->32 (~40 s)
+    python benchmarks/bench_conv.py --big           # 8x64x512x512, conv 3x3 64->64 (~7 min, ~20 GB RAM for both ranks)
     python benchmarks/bench_conv.py --shape 2,16,128,128 --cout 16 --k 5 --reps 5
     python benchmarks/bench_conv.py --variants dtshard:S2,torch:S3
 
@@ -124,14 +124,17 @@ class _Variant:
         self.placements = tuple(y.placements)
         self.g = dist_fn(g, self.mesh, list(self.placements))
 
-    def step(self):
+    def step(self, keep: bool = False):
         self.x.grad = self.w.grad = self.b.grad = None
         y = F.conv2d(self.x, self.w, self.b, padding=self.padding)
         y.backward(self.g)
+        if not keep:  # timing: drop the step's tensors (memory of the --big run)
+            self.x.grad = self.w.grad = self.b.grad = None
+            return None
         return y
 
     def check(self, ref) -> dict:
-        y = self.step()
+        y = self.step(keep=True)
         out = {"out_placements": str(self.placements)}
         errs = {}
         for name, t, r in (("out", y, ref[0]), ("grad_input", self.x.grad, ref[1]),
@@ -191,15 +194,19 @@ def _run(rank: int, args, out_path: str):
     # the unsharded layer (every rank): reference values and the baseline time
     xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
 
-    def unsharded():
+    def unsharded(keep: bool = False):
         xr.grad = wr.grad = br.grad = None
         y = F.conv2d(xr, wr, br, padding=pad)
         y.backward(g)
+        if not keep:
+            xr.grad = wr.grad = br.grad = None
+            return None
         return y
 
-    y = unsharded()
-    ref = (y.detach(), xr.grad.clone(), wr.grad.clone(), br.grad.clone())
+    y = unsharded(keep=True)
+    ref = (y.detach(), xr.grad, wr.grad, br.grad)
     del y
+    xr.grad = wr.grad = br.grad = None
 
     variants, results = {}, {}
     for spec in args.variants.split(","):

@@ -236,7 +236,8 @@ def _non_spatial(mesh_shape):
 
 
 def _transposed(mesh_shape):
-    """Transposed convolution has no halo path yet: a spatial shard is replicated (correct)."""
+    """Transposed convolution under every input layout (a spatial shard goes through the halo path;
+    test_conv_extra.py sweeps it)."""
     m = mesh(mesh_shape)
     failures = []
     for xp in (["S2"], ["S0"], ["Psum"], ["S1"]):
@@ -296,7 +297,7 @@ def test_conv_backward_output_mask():
     _assert_no_failures(run_distributed(_output_mask, 2, (2,)))
 
 
-def test_conv_transpose_falls_back_correctly():
+def test_conv_transpose_layouts():
     _assert_no_failures(run_distributed(_transposed, 2, (2,)))
 
 
