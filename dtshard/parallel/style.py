@@ -76,6 +76,21 @@ class ParallelStyle(ABC):
         for name, _ in list(module.named_parameters(recurse=False)):
             self._distribute_param(module, name, device_mesh, placement)
 
+    def _distribute_with_hooks(self, module: nn.Module, device_mesh: DeviceMesh, partition_fn) -> nn.Module:
+        """distribute_module with this style's input and output hooks (Colwise/Rowwise)."""
+        return distribute_module(
+            module,
+            device_mesh,
+            partition_fn,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+    def __repr__(self) -> str:
+        return (f"{self.__class__.__name__}(input_layouts={getattr(self, 'input_layouts', None)}, "
+                f"output_layouts={getattr(self, 'output_layouts', None)}, "
+                f"use_local_output={getattr(self, 'use_local_output', None)})")
+
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
         """Move the module's output to ``output_layouts`` (a Partial output: to Replicate is an
@@ -137,17 +152,7 @@ class ColwiseParallel(ParallelStyle):
             partition_fn = self._partition_embedding_fn
         else:
             raise NotImplementedError("ColwiseParallel currently only support nn.Linear and nn.Embedding!")
-        return distribute_module(
-            module,
-            device_mesh,
-            partition_fn,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )
-
-    def __repr__(self) -> str:
-        return (f"{self.__class__.__name__}(input_layouts={self.input_layouts}, "
-                f"output_layouts={self.output_layouts}, use_local_output={self.use_local_output})")
+        return self._distribute_with_hooks(module, device_mesh, partition_fn)
 
 
 class RowwiseParallel(ParallelStyle):
@@ -201,17 +206,7 @@ class RowwiseParallel(ParallelStyle):
             self.desired_input_layouts = (Replicate(),)
         else:
             raise NotImplementedError("RowwiseParallel currently only support nn.Linear and nn.Embedding!")
-        return distribute_module(
-            module,
-            device_mesh,
-            partition_fn,
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )
-
-    def __repr__(self) -> str:
-        return (f"{self.__class__.__name__}(input_layouts={self.input_layouts}, "
-                f"output_layouts={self.output_layouts}, use_local_output={self.use_local_output})")
+        return self._distribute_with_hooks(module, device_mesh, partition_fn)
 
 
 class SequenceParallel(ParallelStyle):

@@ -424,11 +424,8 @@ def test_gradcheck():
 # hypothesis
 # --------------------------------------------------------------------------------------------
 
-try:
-    import hypothesis
-    from hypothesis import strategies as st
-except ImportError:  # pragma: no cover
-    hypothesis = None
+import hypothesis  # noqa: E402  (a [test] dependency)
+from hypothesis import strategies as st  # noqa: E402
 
 
 def _pack_case(draw):
@@ -462,14 +459,8 @@ def _roundtrips(case):
     assert all(torch.equal(a, b) for a, b in zip(R.halo_split(out, dim, sizes, extra, 1), parts))
 
 
-if hypothesis is not None:
-    test_hypothesis_roundtrips = hypothesis.settings(max_examples=150, deadline=None)(
-        hypothesis.given(st.composite(_pack_case)())(_roundtrips))
-else:  # pragma: no cover
-
-    @pytest.mark.skip(reason="hypothesis not installed")
-    def test_hypothesis_roundtrips():
-        pass
+test_hypothesis_roundtrips = hypothesis.settings(max_examples=150, deadline=None)(
+    hypothesis.given(st.composite(_pack_case)())(_roundtrips))
 
 
 def test_numpy_ints_accepted():

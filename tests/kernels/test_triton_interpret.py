@@ -29,7 +29,9 @@ from dtshard_kernels.triton import copy_kernels as CK  # noqa: E402
 from dtshard_kernels.triton import ops as KO  # noqa: E402
 
 if not KT.INTERPRETED:  # pragma: no cover
-    pytest.skip("dtshard_kernels.triton was imported before TRITON_INTERPRET=1 was set",
+    pytest.skip("dtshard_kernels.triton was imported (by an earlier test module) before this module "
+                "set TRITON_INTERPRET=1, so its kernels cannot run on CPU in this process; run "
+                "`TRITON_INTERPRET=1 pytest tests/kernels`",
                 allow_module_level=True)
 
 # Without a GPU driver, torch's mutation analysis of triton kernels (which compiles them to TTIR)
@@ -430,7 +432,8 @@ def _compile_launch(monkeypatch, call):
 @pytest.mark.parametrize("case", ["aligned-fp32", "aligned-bf16", "uneven-last-dim", "5d-stepped-dim0", "5d-stepped-dim4"])
 def test_compiles_for_gpu(monkeypatch, case):
     if "nvidia" not in getattr(triton.backends, "backends", {}):
-        pytest.skip("triton's nvidia backend is not available")
+        pytest.skip("this triton build ships no nvidia backend, so there is no GPU compiler to "
+                    "compile for sm_90 with (PyPI's triton wheels ship it)")
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # silence a triton 3.9 warning
     x = torch.zeros(16, 255, 64)
     if case == "aligned-fp32":
