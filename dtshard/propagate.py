@@ -13,6 +13,7 @@ Runs only on a dispatch-cache miss.  Steps:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import warnings
@@ -24,7 +25,8 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from dtshard import redistribute as R
 from dtshard.registry import OpCall, RuleEntry, get_entry
-from dtshard.spec import DTensorSpec, TensorMeta, local_shape_and_offset, mesh_identity, placements_str
+from dtshard.spec import (DTensorSpec, TensorMeta, contiguous_strides, local_shape_and_offset, mesh_identity,
+                          placements_str)
 
 __all__ = ["Plan", "propagate", "NoRuleError", "RuleError", "config"]
 
@@ -40,6 +42,9 @@ class config:
     fallback_to_replicate: bool = False
     #: Check each new plan against the op's meta kernel on every distinct local shape.
     check_plans: bool = True
+    #: Debug/test switch: also run the meta kernel where a rule's ``meta`` function stands in for
+    #: it, and raise RuleError when the two disagree (the OpInfo sweep turns this on).
+    verify_meta: bool = False
 
 
 class NoRuleError(NotImplementedError):
@@ -203,6 +208,28 @@ def _error_context(op, specs: Sequence[DTensorSpec]) -> str:
     return f"{op} on inputs [{ins}] over mesh {tuple(mesh.shape) if mesh is not None else ()}"
 
 
+def _same_placement(a, b) -> bool:
+    if a is b:
+        return True
+    t = type(a)
+    if t is not type(b):
+        return False
+    if t is Shard:
+        return a.dim == b.dim
+    if t is Replicate:
+        return True
+    return a == b
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    """Placement tuples equal (Placement.__eq__ is slow Python; exact types are compared first)."""
+    return len(a) == len(b) and all(_same_placement(x, y) for x, y in zip(a, b))
+
+
+def _all_replicate(strategy) -> bool:
+    return all(type(p) is Replicate for group in strategy for p in group)
+
+
 def _check_strategy(op, strat, n_in, n_out, in_metas, out_metas, source) -> tuple:
     try:
         outs, ins = strat
@@ -217,7 +244,10 @@ def _check_strategy(op, strat, n_in, n_out, in_metas, out_metas, source) -> tupl
             f"placements; the op has {n_in} DTensor inputs and {n_out} tensor outputs"
         )
     for p, m in zip(ins + outs, in_metas + out_metas):
-        if not isinstance(p, (Shard, Replicate, Partial)):
+        t = type(p)  # exact-type tests first: isinstance on placement classes is slow (a metaclass hook)
+        if t is Replicate or t is Partial:
+            continue
+        if t is not Shard and not isinstance(p, (Shard, Replicate, Partial)):
             raise RuleError(f"the rule for {op} ({source}) returned {p!r}, not a placement")
         if isinstance(p, Shard) and m is not None and not 0 <= p.dim < len(m):
             raise RuleError(
@@ -257,13 +287,20 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
             )
     shapes = [s.shape for s in specs]
     dtypes = [s.dtype for s in specs]
-    # 1. global meta run: output structure and global metadata
+    # 1. global output metadata: the rule's meta function, or the op's meta kernel
+    meta_fn = None
+    if entry is not None and entry.meta is not None and not fallback:
+        if mode == "functional":
+            meta_fn = entry.meta
+        elif mode == "inplace":
+            meta_fn = functools.partial(_inplace_meta, entry.meta, _functional_of(op)[0])
     try:
-        gout = _run_meta(op, meta_args, meta_kwargs, shapes, dtypes, ())
+        gflat = _out_metas(op, meta_args, meta_kwargs, shapes, dtypes, (), meta_fn, strides=True)
+    except RuleError:
+        raise
     except Exception as e:  # the op rejects these global inputs: same error a plain tensor gives
         raise type(e)(f"{_error_context(op, specs)}: {e}") if _simple_exc(e) else e
-    gflat = flatten_outputs(gout)
-    out_metas = [tuple(o.shape) if isinstance(o, torch.Tensor) else None for o in gflat]
+    out_metas = [None if o is None else o.shape for o in gflat]
     n_out = len(gflat)
     in_metas = [tuple(s) for s in shapes]
 
@@ -290,7 +327,7 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
         rule_in_metas = [in_metas[k] for k in in_ids]
         strategies = [_check_strategy(op, s, len(in_ids), n_out, rule_in_metas, out_metas, entry.source) for s in raw]
     all_r = ((_REPLICATE,) * n_out, (_REPLICATE,) * len(in_ids))
-    if all_r not in strategies:
+    if not any(_all_replicate(st) for st in strategies):
         strategies.append(all_r)
 
     # 3. expand over mesh dims and price
@@ -301,6 +338,19 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
     else:
         combos = list(itertools.product(range(len(strategies)), repeat=m))
     priced = []
+    costs: dict = {}  # (input k, target placements) -> bytes; combos share most of them
+
+    def cost_of(ins) -> float:
+        total = 0.0
+        for k, target in enumerate(ins):
+            if _same(target, specs[k].placements):
+                continue
+            c = costs.get((k, target))
+            if c is None:
+                c = costs[(k, target)] = R.transition_cost(specs[k], target)
+            total += c
+        return total
+
     for combo in combos:
         rule_ins = [tuple(strategies[c][1][j] for c in combo) for j in range(len(in_ids))]
         outs = tuple(tuple(strategies[c][0][k] for c in combo) for k in range(n_out))
@@ -313,12 +363,12 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
         if mode == "out" and tuple(outs) != tuple(specs[k].placements for k in sorted(out_slots)):
             continue
         try:
-            cost = sum(R.transition_cost(s, t) for s, t in zip(specs, ins))
+            cost = cost_of(ins)
         except ValueError:
             continue
         # ties: prefer keeping inputs as they are, then fewer replicated outputs
-        n_moves = sum(t != s.placements for s, t in zip(specs, ins))
-        n_rep = sum(isinstance(p, Replicate) for o in outs for p in o)
+        n_moves = sum(not _same(t, s.placements) for s, t in zip(specs, ins))
+        n_rep = sum(type(p) is Replicate for o in outs for p in o)
         priced.append((cost, n_moves, n_rep, ins, outs))
     priced.sort(key=lambda t: (t[0], t[1], t[2]))
     if not priced:
@@ -330,14 +380,15 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
         )
 
     # 4. first choice that passes the local shape check
+    shapes_fn = meta_fn if not shape_args else None
     considered = []
     for cost, _, _, ins, outs in priced:
         out_specs = tuple(
-            None if o is None else DTensorSpec(mesh, outs[k], tuple(o.shape), tuple(o.stride()), o.dtype)
+            None if o is None else DTensorSpec(mesh, outs[k], o.shape, o.stride, o.dtype)
             for k, o in enumerate(gflat)
         )
         in_specs = [s.with_placements(t) for s, t in zip(specs, ins)]
-        ok = _check_local(op, meta_args, meta_kwargs, in_specs, out_specs, mesh_shape, shape_args)
+        ok = _check_local(op, meta_args, meta_kwargs, in_specs, out_specs, mesh_shape, shape_args, shapes_fn)
         considered.append((cost, placements_text(ins, outs), ok))
         if ok:
             from dtshard.collectives import mesh_coordinate  # coordinate of this rank (cached)
@@ -370,15 +421,76 @@ def _simple_exc(e: Exception) -> bool:
         return False
 
 
-def _to_meta_info(a, specs):
+def _to_meta_info(a, specs, metas=None):
     if isinstance(a, _Slot):
-        return specs[a.k].tensor_meta
+        return specs[a.k].tensor_meta if metas is None else metas[a.k]
     if isinstance(a, (list, tuple)):
-        return type(a)(_to_meta_info(b, specs) for b in a)
+        return type(a)(_to_meta_info(b, specs, metas) for b in a)
     return a
 
 
-def _check_local(op, meta_args, meta_kwargs, in_specs, out_specs, mesh_shape, shape_args) -> bool:
+def _inplace_meta(functional_meta, functional_op, call: OpCall):
+    """Metadata of ``op_(self, ...)`` from the functional op's meta function: ``self`` itself,
+    when the functional result has self's shape and its dtype casts to self's; otherwise decline
+    (the meta kernel raises the op's own error)."""
+    self_meta = call.args[0] if call.args else None
+    if not isinstance(self_meta, TensorMeta):
+        return None
+    got = functional_meta(dataclasses.replace(call, op=functional_op))
+    if got is None or len(got) != 1 or got[0] is None:
+        return None
+    if got[0].shape != self_meta.shape or not torch.can_cast(got[0].dtype, self_meta.dtype):
+        return None
+    return [self_meta]
+
+
+def _out_metas(op, meta_args, meta_kwargs, in_shapes, dtypes, overrides, meta_fn, strides=False) -> list:
+    """Flat output metadata (TensorMeta, or None for a non-tensor output) of ``op`` on inputs of
+    ``in_shapes``: from the rule's ``meta`` function when it has one (and does not decline with
+    None), else from a run of the op's meta kernel.  Raises where the op would.  ``strides=False``:
+    only the shapes are compared by the caller."""
+    if meta_fn is not None:
+        metas = [TensorMeta(tuple(sh), contiguous_strides(sh), dt) for sh, dt in zip(in_shapes, dtypes)]
+        call = OpCall(op=op, args=tuple(_to_meta_info(a, None, metas) for a in meta_args),
+                      kwargs={k: _to_meta_info(v, None, metas) for k, v in meta_kwargs.items()},
+                      tensors=tuple(metas))
+        try:
+            got = meta_fn(call)
+        except Exception as e:
+            if config.verify_meta:  # the kernel must reject these inputs too
+                try:
+                    _run_meta(op, meta_args, meta_kwargs, in_shapes, dtypes, overrides)
+                except Exception:  # noqa: BLE001
+                    raise e from None
+                raise RuleError(f"the meta function of {op} rejects input shapes {list(in_shapes)} "
+                                f"{list(dtypes)}, which its meta kernel accepts: {e!r}") from e
+            raise
+        if got is not None:
+            got = list(got)
+            if config.verify_meta:
+                _verify_meta(op, meta_args, meta_kwargs, in_shapes, dtypes, overrides, got, strides)
+            return got
+    lout = flatten_outputs(_run_meta(op, meta_args, meta_kwargs, in_shapes, dtypes, overrides))
+    return [TensorMeta(tuple(o.shape), tuple(o.stride()), o.dtype) if isinstance(o, torch.Tensor) else None
+            for o in lout]
+
+
+def _verify_meta(op, meta_args, meta_kwargs, in_shapes, dtypes, overrides, got, strides) -> None:
+    try:
+        want = _out_metas(op, meta_args, meta_kwargs, in_shapes, dtypes, overrides, None)
+    except Exception as e:  # noqa: BLE001 - the meta function accepted what the kernel rejects
+        raise RuleError(f"the meta function of {op} accepts input shapes {list(in_shapes)} "
+                        f"{list(dtypes)}, which its meta kernel rejects: {e!r}") from e
+
+    def view(ms):
+        return [None if m is None else (m.shape, m.stride if strides else None, m.dtype) for m in ms]
+
+    if view(got) != view(want):
+        raise RuleError(f"the meta function of {op} disagrees with its meta kernel on input shapes "
+                        f"{list(in_shapes)} {list(dtypes)}: {view(got)} vs {view(want)}")
+
+
+def _check_local(op, meta_args, meta_kwargs, in_specs, out_specs, mesh_shape, shape_args, shapes_fn=None) -> bool:
     """Does the op, run on every distinct combination of local shapes, give the claimed shapes?"""
     if not config.check_plans:
         return True
@@ -400,14 +512,15 @@ def _check_local(op, meta_args, meta_kwargs, in_specs, out_specs, mesh_shape, sh
         seen.add(key)
         overrides = tuple((idx, out_local[k]) for idx, k in sorted(shape_args.items()) if idx < len(meta_args))
         try:
-            lout = flatten_outputs(_run_meta(op, meta_args, meta_kwargs, in_local, dtypes, overrides))
+            lout = [None if o is None else o.shape
+                    for o in _out_metas(op, meta_args, meta_kwargs, in_local, dtypes, overrides, shapes_fn)]
+        except RuleError:
+            raise
         except Exception:
             return False
         if len(lout) != len(out_local):
             return False
         for got, want in zip(lout, out_local):
-            if (got is None) != (want is None):
-                return False
-            if got is not None and tuple(got.shape) != want:
+            if got != want:
                 return False
     return True

@@ -130,6 +130,14 @@ def plan(spec: DTensorSpec, dst: Sequence[Placement]) -> tuple[Step, ...]:
     if src == dst:
         _plan_cache[key] = ()
         return ()
+    if len(src) == 1:  # one mesh dim: a direct step, or two through Replicate (S->P, P(a)->P(b))
+        kind = _step_kind(src[0], dst[0])
+        if kind is not None:
+            steps = (Step(0, src[0], dst[0], kind),)
+        else:
+            steps = (Step(0, src[0], _R, _step_kind(src[0], _R)), Step(0, _R, dst[0], _step_kind(_R, dst[0])))
+        _plan_cache[key] = steps
+        return steps
     shape, mesh_shape, itemsize = spec.shape, spec.mesh_shape, _itemsize(spec.dtype)
     cands = _candidates(src, dst)
     # Dijkstra over placement states (tuples of placements)
@@ -164,6 +172,15 @@ def plan(spec: DTensorSpec, dst: Sequence[Placement]) -> tuple[Step, ...]:
 
 def transition_cost(spec: DTensorSpec, dst: Sequence[Placement]) -> float:
     """Bytes received per rank by the planned transition (what the dispatcher minimises)."""
+    dst = tuple(dst)
+    src = spec.placements
+    if dst == src:
+        return 0.0
+    if len(dst) == 1:  # one mesh dim (the common case on a cache miss): the steps of plan(), priced
+        itemsize, ms, shape = _itemsize(spec.dtype), spec.mesh_shape, spec.shape
+        if _step_kind(src[0], dst[0]) is not None:
+            return _step_cost(shape, ms, src, 0, dst[0], itemsize)
+        return _step_cost(shape, ms, src, 0, _R, itemsize) + _step_cost(shape, ms, (_R,), 0, dst[0], itemsize)
     steps = plan(spec, dst)
     total = 0.0
     if steps:

@@ -72,6 +72,10 @@ class RuleEntry:
     shape_args: dict[int, int] = field(default_factory=dict)
     source: str = ""
     local: Callable | None = None  # runs on the local shards instead of the op itself
+    #: ``meta(call) -> [TensorMeta | None, ...]``: the op's flat outputs' metadata from its inputs'
+    #: (the call's TensorMetas), exactly as its meta kernel would give them, raising where it
+    #: would raise.  Lets propagation skip the meta-kernel runs (the cost of a cache miss).
+    meta: Callable | None = None
 
 
 _entries: dict[torch._ops.OpOverload, RuleEntry] = {}
@@ -100,7 +104,7 @@ def _where(fn: Callable) -> str:
     return f"{code.co_filename}:{code.co_firstlineno}" if code else repr(fn)
 
 
-def _register(ops, fn, kind, shape_args=None, local=None) -> None:
+def _register(ops, fn, kind, shape_args=None, local=None, meta=None) -> None:
     if isinstance(ops, torch._ops.OpOverload):
         ops = [ops]
     for op in ops:
@@ -114,12 +118,16 @@ def _register(ops, fn, kind, shape_args=None, local=None) -> None:
                 f"a {old.kind} for {op} is already registered at {old.source}; one op has one rule. "
                 f"Edit that one, or use dtshard.registry.override() in tests."
             )
-        _entries[op] = RuleEntry(op, fn, kind, dict(shape_args or {}), _where(fn), local)
+        _entries[op] = RuleEntry(op, fn, kind, dict(shape_args or {}), _where(fn), local, meta)
     _changed()
 
 
 def register_rule(
-    ops, *, shape_args: dict[int, int] | None = None, local: Callable | None = None
+    ops,
+    *,
+    shape_args: dict[int, int] | None = None,
+    local: Callable | None = None,
+    meta: Callable | None = None,
 ) -> Callable[[RuleFn], RuleFn]:
     """Decorator: register ``fn(call: OpCall) -> [(output_placements, input_placements), ...]``
     as the single-mesh-dim sharding rule of one op overload (or a list of them).
@@ -127,11 +135,17 @@ def register_rule(
     ``shape_args={arg index: output index}``: that arg is a global shape; each rank gets the local
     shape of that output.  ``local(op, *args, **kwargs)``: run this on the local shards instead of
     ``op`` (same math, e.g. a view that copies when a rank's local strides do not allow a view).
+    ``meta(call) -> [TensorMeta | None per flat output]``: optional, the op's exact output metadata
+    (shape, stride, dtype) from ``call.tensors`` (raise where the op would raise); propagation
+    then uses it instead of running the op's meta kernel on the global shapes and on every
+    distinct local shape, which is most of the cost of a cache miss.  Give it only where the math
+    is simple and certain (pointwise broadcasting, matmul): the OpInfo sweep compares it with the
+    meta kernel on every sample (``propagate.config.verify_meta``).
     Registering a second rule for the same op raises: use :func:`override` to swap one in tests.
     """
 
     def deco(fn: RuleFn) -> RuleFn:
-        _register(ops, fn, "rule", shape_args, local)
+        _register(ops, fn, "rule", shape_args, local, meta)
         return fn
 
     return deco

@@ -79,6 +79,15 @@ def placements_str(ps: Sequence[Placement]) -> str:
     return "(" + ", ".join(placement_str(p) for p in ps) + ")"
 
 
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """torch's strides for a contiguous tensor of ``shape`` (zero sizes count as one)."""
+    stride, acc = [], 1
+    for n in reversed(tuple(shape)):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))
+
+
 @dataclass(frozen=True)
 class TensorMeta:
     """What a sharding rule sees of a tensor argument: global shape, stride and dtype."""
@@ -139,7 +148,12 @@ class DTensorSpec:
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
-        return tuple(self.mesh.shape)
+        # cached like the hash: DeviceMesh.shape rebuilds a tuple from its layout on every call
+        ms = self.__dict__.get("_mesh_shape")
+        if ms is None:
+            ms = tuple(self.mesh.shape)
+            object.__setattr__(self, "_mesh_shape", ms)
+        return ms
 
     @property
     def tensor_meta(self) -> TensorMeta:

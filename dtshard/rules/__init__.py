@@ -6,6 +6,7 @@ To add a rule see CONTRIBUTING.md: pick the family file, write a function of an 
 """
 
 from dtshard.rules import (  # noqa: F401  (imported for their registrations)
+    adaptive_pool,  # adaptive average pooling on spatial shards (before misc: it has the real rules)
     attention,
     conv, pool,  # spatial sharding through halo exchange (dtshard/halo.py)
     embedding,

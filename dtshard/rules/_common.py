@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-from dtshard.spec import TensorMeta
+from dtshard.spec import TensorMeta, contiguous_strides  # noqa: F401  (re-exported for rules)
 
 R = Replicate()
 LINEAR_REDUCE_OPS = ("sum", "avg")

@@ -61,7 +61,7 @@ from dtshard import _trace, halo
 from dtshard import collectives as C
 from dtshard.redistribute import redistribute_local
 from dtshard.registry import register_handler
-from dtshard.spec import DTensorSpec, chunk_range
+from dtshard.spec import DTensorSpec, chunk_range, contiguous_strides
 
 aten = torch.ops.aten
 
@@ -91,17 +91,9 @@ def bind(op, args: Sequence, kwargs: dict) -> list:
     return out
 
 
-def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(tuple(shape)):
-        stride.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(stride))
-
-
 def make_spec(mesh, placements, shape, dtype) -> DTensorSpec:
     shape = tuple(int(s) for s in shape)
-    return DTensorSpec(mesh, tuple(placements), shape, contiguous_stride(shape), dtype)
+    return DTensorSpec(mesh, tuple(placements), shape, contiguous_strides(shape), dtype)
 
 
 def expand_list(v, n: int) -> list[int]:

@@ -41,20 +41,12 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from dtshard.collectives import mesh_coordinate
 from dtshard.dispatch import _mixed_error, _redistribute_input
 from dtshard.registry import register_handler
-from dtshard.spec import DTensorSpec, local_shape_and_offset
+from dtshard.spec import DTensorSpec, contiguous_strides, local_shape_and_offset
 from dtshard.tensor import DTensor, distribute_tensor
 
 aten = torch.ops.aten
 _R = Replicate()
 _LINEAR = ("sum", "avg")
-
-
-def _contiguous_stride(shape) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(stride))
 
 
 def _as_dtensor(op, t, mesh):
@@ -75,7 +67,7 @@ def _local_in(op, dt: DTensor, placements) -> torch.Tensor:
 
 
 def _wrap(local: torch.Tensor, mesh, placements, shape, dtype) -> DTensor:
-    spec = DTensorSpec(mesh, tuple(placements), tuple(shape), _contiguous_stride(shape), dtype)
+    spec = DTensorSpec(mesh, tuple(placements), tuple(shape), contiguous_strides(shape), dtype)
     return DTensor(local, spec, requires_grad=False)
 
 

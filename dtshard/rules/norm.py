@@ -11,7 +11,8 @@ import torch
 from torch.distributed.tensor.placement_types import Partial, Shard
 
 from dtshard.registry import OpCall, register_rule
-from dtshard.rules._common import LINEAR_REDUCE_OPS, R, norm_dim
+from dtshard.rules._common import LINEAR_REDUCE_OPS, R, contiguous_strides, norm_dim
+from dtshard.spec import TensorMeta
 
 aten = torch.ops.aten
 
@@ -33,7 +34,29 @@ def softmax_backward_rule(call: OpCall):
     return strategies
 
 
-@register_rule(aten.native_layer_norm.default)
+def _layer_norm_meta(call: OpCall):
+    """native_layer_norm's outputs as its meta kernel gives them: ``out`` like the input,
+    ``mean``/``rstd`` with the normalised dims kept as 1, in the computation dtype (float32 for
+    half/bfloat16 inputs); the same argument checks."""
+    x = call.arg(0, "input")
+    ns = tuple(call.arg(1, "normalized_shape"))
+    weight, bias = call.arg(2, "weight"), call.arg(3, "bias")
+    if not isinstance(x, TensorMeta) or not all(w is None or isinstance(w, TensorMeta) for w in (weight, bias)):
+        return None  # plain tensors among the arguments: let the meta kernel decide
+    if not ns or x.ndim < len(ns) or x.shape[x.ndim - len(ns):] != ns:
+        raise RuntimeError(f"native_layer_norm: normalized_shape {list(ns)} does not match the input of size {x.shape}")
+    for w in (weight, bias):
+        if w is not None and w.shape != ns:
+            raise RuntimeError(f"native_layer_norm: weight/bias of shape {w.shape}, expected {list(ns)}")
+    if x.dtype.is_complex:
+        raise RuntimeError("native_layer_norm does not support complex inputs")
+    stat_shape = x.shape[: x.ndim - len(ns)] + (1,) * len(ns)
+    stat_dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    stat = TensorMeta(stat_shape, contiguous_strides(stat_shape), stat_dtype)
+    return [TensorMeta(x.shape, contiguous_strides(x.shape), x.dtype), stat, stat]
+
+
+@register_rule(aten.native_layer_norm.default, meta=_layer_norm_meta)
 def layer_norm_rule(call: OpCall):
     x = call.tensors[0]
     axis = x.ndim - len(call.arg(1, "normalized_shape"))
@@ -61,11 +84,13 @@ def layer_norm_backward_rule(call: OpCall):
 # ---------------------------------------------------------------------------------------------
 #
 # native_group_norm takes the batch size N as an argument, so a batch shard cannot run the op with
-# its global arguments (and a rule's local-shape check would reject it): the handler runs the local
-# op with the LOCAL N.  Batch norm in training normalises with statistics over every dim but the
-# channels: when those dims are sharded, the local kernel would use local statistics, so the
-# handler computes the GLOBAL mean and variance with DTensor ops (sums become Partial and are
-# reduced once, exact for uneven shards), and the backward uses the global sums as well.
+# its global arguments (and a rule's local-shape check would reject it), and over spatial shards
+# its statistics must be global: the handler computes them from Partial sums (see below), keeping
+# the batch, spatial and whole-group channel shards.  Batch norm in training normalises with
+# statistics over every dim but the channels: when those dims are sharded, the local kernel would
+# use local statistics, so the handler computes the GLOBAL mean and variance with DTensor ops (sums
+# become Partial and are reduced once, exact for uneven shards), and the backward uses the global
+# sums as well.
 
 from torch.distributed.tensor.placement_types import Replicate  # noqa: E402
 
@@ -105,42 +130,158 @@ def _wrap(local, mesh, placements, shape):
     return _dt().from_local(local, mesh, list(placements), shape=tuple(shape), stride=_contiguous_stride(shape))
 
 
-def _stat_placements(target):
-    """The (N, G) statistics of group norm follow the batch shards of the input."""
-    return [p if isinstance(p, Shard) else Replicate() for p in target]
+# ---- group norm ------------------------------------------------------------------------------
+#
+# native_group_norm(x (N, C, *spatial), weight, bias, N, C, HxW, G, eps) -> (out, mean, rstd), the
+# statistics of shape (N, G) over each group's D = C/G channels and all spatial positions.  Per mesh
+# dim of x:
+#
+#   x Shard(0)                  kept; statistics Shard(0); weight/bias grads Partial(sum)
+#   x Shard(d), d >= 2          kept; the (N, G) sums are Partial(sum) on this mesh dim, reduced to
+#                               Replicate (one all_reduce of N*G values per pass); statistics
+#                               Replicate; weight/bias grads Partial(sum)
+#   x Shard(1), groups whole    kept when every channel chunk is made of whole groups and those are
+#                               exactly the rank's chunk of G (blocks_align(C, G)); statistics
+#                               Shard(1); weight/bias (and their grads) Shard(0)
+#   anything else               Replicate
+#
+# Forward, two passes for accuracy: mean = reduce(sum x) / (D*HxW); var = reduce(sum (x-mean)^2) /
+# (D*HxW); rstd = 1/sqrt(var + eps); out = (x-mean)*rstd*w + b, all local but the two reductions of
+# (N_local, G_local) sums.  Backward (xhat = (x-mean)*rstd, gw = g*w per channel):
+# grad_input = rstd * (gw - mean(gw) - xhat * mean(gw*xhat)), the two group means reduced as ONE
+# stacked Partial sum; grad_weight = sum g*xhat and grad_bias = sum g over (N, spatial), local sums
+# that are Partial(sum) over the batch and spatial mesh dims.  Every decision depends only on global
+# shapes and placements; an empty shard contributes zero sums.  Accumulation is in float32 at least.
+
+
+def _gn_layout(spec, group: int):
+    """(x targets, statistics targets, per-channel (C,) targets, placements of the local (N, G)
+    sums, placements of the local (C,) weight/bias gradients) for group norm of an x with ``spec``."""
+    from dtshard.rules.adaptive_pool import blocks_align
+
+    c = spec.shape[1] if spec.ndim > 1 else 1
+    channel_dims = [i for i, p in enumerate(spec.placements) if isinstance(p, Shard) and p.dim == 1]
+    whole_groups = bool(channel_dims) and blocks_align(c, group, spec.mesh_shape, channel_dims)
+    x_t, stat_t, chan_t, sums, grads = [], [], [], [], []
+    for p in spec.placements:
+        if isinstance(p, Shard) and p.dim == 0:
+            x_t.append(p), stat_t.append(Shard(0)), chan_t.append(R), sums.append(Shard(0))
+            grads.append(Partial("sum"))
+        elif isinstance(p, Shard) and p.dim >= 2:
+            x_t.append(p), stat_t.append(R), chan_t.append(R), sums.append(Partial("sum"))
+            grads.append(Partial("sum"))
+        elif isinstance(p, Shard) and p.dim == 1 and whole_groups:
+            x_t.append(p), stat_t.append(Shard(1)), chan_t.append(Shard(0)), sums.append(Shard(1))
+            grads.append(Shard(0))
+        else:
+            x_t.append(R), stat_t.append(R), chan_t.append(R), sums.append(R), grads.append(R)
+    return tuple(x_t), tuple(stat_t), tuple(chan_t), tuple(sums), tuple(grads)
+
+
+def _gn_context(op, tensors) -> str:
+    from dtshard.spec import placements_str
+
+    ins = ", ".join(f"{tuple(t.shape)} {placements_str(t.placements)}" for t in tensors if t is not None)
+    return f"{op} on inputs [{ins}] over mesh {tuple(tensors[0].device_mesh.shape)}"
+
+
+def _gn_acc(t: torch.Tensor) -> torch.Tensor:
+    """Accumulate half-precision inputs in float32."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def _gn_reduce(local, mesh, sums, stat_t, shape, dtype):
+    """Local (N, G[, k]) sums with placements ``sums`` reduced to ``stat_t`` (Partial -> Replicate:
+    one all_reduce over the spatial mesh dims; nothing when none is sharded)."""
+    from dtshard.redistribute import redistribute_local
+    from dtshard.rules.conv import make_spec
+
+    return redistribute_local(local, make_spec(mesh, sums, shape, dtype), stat_t)
 
 
 @register_handler(aten.native_group_norm.default)
 def group_norm_handler(op, args, kwargs):
-    with torch.no_grad():
-        x, weight, bias, n, c, hxw, group, eps = (list(args) + [kwargs.get(k) for k in (
-            "input", "weight", "bias", "N", "C", "HxW", "group", "eps")][len(args):])[:8]
-        mesh = x.device_mesh
-        target = _keep_shards(x, {0})
-        x = _to(x, target)
-        xl = _local(x)
-        out, mean, rstd = op(xl, _local(_rep(weight)), _local(_rep(bias)), xl.shape[0], c, hxw, group, eps)
-        sp = _stat_placements(target)
-        return (_wrap(out, mesh, target, x.shape), _wrap(mean, mesh, sp, (n, group)),
-                _wrap(rstd, mesh, sp, (n, group)))
+    from dtshard.rules.conv import bind, check_dtensors, make_spec, meta_run, op_context, to_local, wrap
+
+    x, weight, bias, n, c, hxw, group, eps = bind(op, args, kwargs)
+    check_dtensors(op, [t for t in (x, weight, bias) if t is not None])
+    try:  # plain PyTorch's error for bad global shapes, with the context
+        gout, gmean, grstd = meta_run(op, x, weight, bias, n, c, hxw, group, eps)
+    except Exception as e:
+        raise type(e)(f"{_gn_context(op, [x, weight, bias])}: {e}") from e
+    mesh = x.device_mesh
+    x_t, stat_t, chan_t, sums, _ = _gn_layout(x._spec, group)
+    d = c // group
+    count = d * hxw
+    with torch.no_grad(), op_context(op):
+        xl = to_local(x, x_t)
+        wl = None if weight is None else to_local(weight, chan_t)
+        bl = None if bias is None else to_local(bias, chan_t)
+        nl, cl = xl.shape[0], xl.shape[1]
+        gl, hwl = cl // d, _spatial_numel(xl)
+        xg = _gn_acc(xl).reshape(nl, gl, d * hwl)
+        acc = xg.dtype
+        mean = _gn_reduce(xg.sum(-1), mesh, sums, stat_t, (n, group), acc) / count
+        xc = xg - mean.unsqueeze(-1)
+        var = _gn_reduce((xc * xc).sum(-1), mesh, sums, stat_t, (n, group), acc) / count
+        rstd = torch.rsqrt(var + eps)
+        y = (xc * rstd.unsqueeze(-1)).reshape(xl.shape)
+        shape = [1, cl] + [1] * (xl.dim() - 2)
+        if wl is not None:
+            y = y * _gn_acc(wl).reshape(shape)
+        if bl is not None:
+            y = y + _gn_acc(bl).reshape(shape)
+    return (wrap(y.to(gout.dtype), make_spec(mesh, x_t, gout.shape, gout.dtype)),
+            wrap(mean.to(gmean.dtype), make_spec(mesh, stat_t, gmean.shape, gmean.dtype)),
+            wrap(rstd.to(grstd.dtype), make_spec(mesh, stat_t, grstd.shape, grstd.dtype)))
+
+
+def _spatial_numel(t: torch.Tensor) -> int:
+    n = 1
+    for s in t.shape[2:]:
+        n *= s
+    return n
 
 
 @register_handler(aten.native_group_norm_backward.default)
 def group_norm_backward_handler(op, args, kwargs):
-    with torch.no_grad():
-        names = ("grad_out", "input", "mean", "rstd", "weight", "N", "C", "HxW", "group", "output_mask")
-        g, x, mean, rstd, weight, n, c, hxw, group, mask = (list(args) + [kwargs.get(k) for k in names][len(args):])[:10]
-        mesh = x.device_mesh
-        target = _keep_shards(x, {0})
-        x, g = _to(x, target), _to(g, target)
-        sp = _stat_placements(target)
-        mean, rstd = _to(mean, sp), _to(rstd, sp)
-        xl = _local(x)
-        gi, gw, gb = op(_local(g), xl, _local(mean), _local(rstd), _local(_rep(weight)), xl.shape[0], c, hxw, group, mask)
-        psum = [Partial("sum") if isinstance(p, Shard) else Replicate() for p in target]
-        return (None if gi is None else _wrap(gi, mesh, target, x.shape),
-                None if gw is None else _wrap(gw, mesh, psum, (c,)),
-                None if gb is None else _wrap(gb, mesh, psum, (c,)))
+    from dtshard.rules.conv import bind, check_dtensors, make_spec, meta_run, op_context, to_local, wrap
+
+    g, x, mean, rstd, weight, n, c, hxw, group, mask = bind(op, args, kwargs)
+    check_dtensors(op, [t for t in (g, x, mean, rstd, weight) if t is not None])
+    try:
+        g_in, g_w, g_b = meta_run(op, g, x, mean, rstd, weight, n, c, hxw, group, mask)
+    except Exception as e:
+        raise type(e)(f"{_gn_context(op, [g, x, mean, rstd, weight])}: {e}") from e
+    mesh = x.device_mesh
+    x_t, stat_t, chan_t, sums, grads = _gn_layout(x._spec, group)
+    d = c // group
+    count = d * hxw
+    gi = gw = gb = None
+    with torch.no_grad(), op_context(op):
+        xl, gl = to_local(x, x_t), to_local(g, x_t)
+        nl, cl = xl.shape[0], xl.shape[1]
+        gloc, hwl = cl // d, _spatial_numel(xl)
+        shape4 = (nl, gloc, d, hwl)
+        xg = _gn_acc(xl).reshape(shape4)
+        gg = _gn_acc(gl).reshape(shape4)
+        acc = xg.dtype
+        meanl = _gn_acc(to_local(mean, stat_t)).reshape(nl, gloc, 1, 1)
+        rstdl = _gn_acc(to_local(rstd, stat_t)).reshape(nl, gloc, 1, 1)
+        xhat = (xg - meanl) * rstdl
+        if mask[0]:
+            gwt = gg if weight is None else gg * _gn_acc(to_local(weight, chan_t)).reshape(1, gloc, d, 1)
+            s = torch.stack([gwt.sum((2, 3)), (gwt * xhat).sum((2, 3))], -1)  # (N, G, 2): one reduction
+            s = _gn_reduce(s, mesh, sums, stat_t, (n, group, 2), acc) / count
+            gi = (rstdl * (gwt - s[..., 0, None, None] - xhat * s[..., 1, None, None])).reshape(xl.shape)
+            gi = wrap(gi.to(g_in.dtype), make_spec(mesh, x_t, x.shape, g_in.dtype))
+        if mask[1] and g_w is not None:
+            gw = (gg * xhat).sum((0, 3)).reshape(cl)
+            gw = wrap(gw.to(g_w.dtype), make_spec(mesh, grads, (c,), g_w.dtype))
+        if mask[2] and g_b is not None:
+            gb = gg.sum((0, 3)).reshape(cl)
+            gb = wrap(gb.to(g_b.dtype), make_spec(mesh, grads, (c,), g_b.dtype))
+    return gi, gw, gb
 
 
 def _bn_shape(x, v):

@@ -13,7 +13,7 @@ from torch.distributed.tensor.placement_types import Partial, Shard
 
 from dtshard.registry import OpCall, register_rule
 from dtshard.spec import TensorMeta
-from dtshard.rules._common import LINEAR_REDUCE_OPS, R, broadcast_shape, follow_output
+from dtshard.rules._common import LINEAR_REDUCE_OPS, R, broadcast_shape, contiguous_strides, follow_output
 
 aten = torch.ops.aten
 
@@ -151,8 +151,56 @@ _EXTRA = [
 # Tagged pointwise but owned by another family (which also passes Partial through).
 _ELSEWHERE = {aten.clone.default, aten._to_copy.default, aten.copy.default, aten.fill.Scalar, aten.zero.default}
 
+def strict_broadcast(op, shapes) -> tuple[int, ...]:
+    """Broadcast shape of ``shapes``; sizes that differ and are not 1 raise, like the op."""
+    ndim = max((len(s) for s in shapes), default=0)
+    out = [1] * ndim
+    for s in shapes:
+        for i, v in enumerate(s):
+            j = ndim - len(s) + i
+            if v != 1:
+                if out[j] != 1 and out[j] != v:
+                    raise RuntimeError(f"{op}: the shapes {[tuple(x) for x in shapes]} do not broadcast")
+                out[j] = v
+    return tuple(out)
+
+
+def _tiny(a):
+    """A 1-element CPU tensor standing in for a tensor argument (dtype promotion only looks at
+    dtypes and at whether a tensor is 0-d)."""
+    if isinstance(a, TensorMeta):
+        return torch.ones((1,) * a.ndim, dtype=a.dtype)
+    if isinstance(a, torch.Tensor):
+        if a.device.type != "cpu":
+            raise _Decline
+        return torch.ones(a.shape, dtype=a.dtype)
+    if isinstance(a, (list, tuple)) and any(isinstance(b, (TensorMeta, torch.Tensor)) for b in a):
+        return type(a)(_tiny(b) for b in a)
+    return a
+
+
+class _Decline(Exception):
+    pass
+
+
+def pointwise_meta(call: OpCall):
+    """Output metadata of a pointwise op without a meta-kernel run: every output has the broadcast
+    shape of the tensor operands (plain 0-d tensors broadcast to anything) and contiguous strides
+    (what the kernel gives for contiguous inputs); the dtypes come from running the op on
+    1-element CPU tensors of the operands' dtypes (type promotion is the same on every device).
+    Declines (None: use the meta kernel) where that run fails, e.g. an op that rejects a dtype."""
+    shape = strict_broadcast(call.op, [t.shape for t in call.tensors])
+    try:
+        out = call.op(*(_tiny(a) for a in call.args), **{k: _tiny(v) for k, v in call.kwargs.items()})
+    except Exception:  # noqa: BLE001 - the meta kernel gives the real error
+        return None
+    outs = out if isinstance(out, (list, tuple)) else (out,)
+    stride = contiguous_strides(shape)
+    return [TensorMeta(shape, stride, o.dtype) for o in outs]
+
+
 _POINTWISE = sorted({*_pointwise_ops(), *_EXTRA} - _ELSEWHERE, key=str)
-register_rule(_POINTWISE)(pointwise_rule)
+register_rule(_POINTWISE, meta=pointwise_meta)(pointwise_rule)
 
 
 @register_rule(aten._prelu_kernel.default)

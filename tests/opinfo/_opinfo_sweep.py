@@ -219,9 +219,13 @@ class _DtshardBackend(_Backend):
     def __init__(self, mesh):
         super().__init__(mesh)
         import dtshard
+        from dtshard.propagate import config
 
         self.mod = dtshard
         self.DT = dtshard.DTensor
+        # every rule's `meta` function is compared with the meta kernel on every sample: a
+        # disagreement raises RuleError and shows up as a failure of that op
+        config.verify_meta = True
 
     def from_local(self, local, placements, shape):
         return self.DT.from_local(local, self.mesh, placements, shape=shape)
