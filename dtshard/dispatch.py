@@ -98,6 +98,7 @@ def _local(a, locals_: list) -> Any:
 
 
 _DT: Any = None  # dtshard.tensor.DTensor, bound by tensor.py (avoids an import per call)
+_observers = _trace.plan_observers  # the same list object: one global lookup on the hot path
 
 
 def bind_tensor_class(cls) -> None:
@@ -151,9 +152,12 @@ def dispatch(op, args: tuple, kwargs: dict):
     if plan is None or plan.mode == "out":
         return _dispatch_general(op, args, kwargs)
     _stats["hits"] += 1
-    if _trace.plan_observers:
+    if _observers:
         _observe(op, plan, [d._spec for d in dts])
-    if plan.redistributes:
+    spec = plan._simple_out
+    if spec is not None:  # functional, one tensor out, nothing to move: call and wrap
+        return DT(plan.local_op(*largs, **kwargs), spec, requires_grad=False)
+    if plan._redistributes:
         for k, t in enumerate(plan.input_targets):
             if t is not None:
                 largs[pos[k]] = _redistribute_input(op, dts[k], t)
@@ -205,7 +209,7 @@ def _dispatch_general(op, args: tuple, kwargs: dict):
             _cache[tkey] = plan
     else:
         _stats["hits"] += 1
-    if _trace.plan_observers:
+    if _observers:
         _observe(op, plan, specs)
 
     # redistribute inputs (below autograd: the op's own backward formula handles gradients)

@@ -74,7 +74,16 @@ class Plan:
         return self._redistributes
 
     def __post_init__(self) -> None:
+        # precomputed for the dispatcher's cached path (plain attributes, no property calls)
         self._redistributes = any(t is not None for t in self.input_targets)
+        #: the output spec when the plan is the simplest kind: functional, one tensor output,
+        #: no input moves, no shape arguments (the local result is wrapped as it is)
+        self._simple_out = None
+        returns = getattr(getattr(self.op, "_schema", None), "returns", ())
+        if (self.mode == "functional" and not self._redistributes and not self.shape_overrides
+                and len(self.out_specs) == 1 and self.out_specs[0] is not None
+                and len(returns) == 1 and str(returns[0].type) == "Tensor"):
+            self._simple_out = self.out_specs[0]
 
     def describe(self, in_specs: Sequence[DTensorSpec]) -> str:
         lines = [f"{self.op}  cost={self.cost:.0f}B" + ("  (fallback to Replicate)" if self.fallback else "")]
@@ -338,36 +347,32 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
     else:
         combos = list(itertools.product(range(len(strategies)), repeat=m))
     priced = []
-    costs: dict = {}  # (input k, target placements) -> bytes; combos share most of them
-
-    def cost_of(ins) -> float:
-        total = 0.0
-        for k, target in enumerate(ins):
-            if _same(target, specs[k].placements):
-                continue
-            c = costs.get((k, target))
-            if c is None:
-                c = costs[(k, target)] = R.transition_cost(specs[k], target)
-            total += c
-        return total
-
+    src_pl = [s.placements for s in specs]
+    # per (input k, the strategy indices that give its target): bytes; combos share them on N-D meshes
+    costs: dict = {}
     for combo in combos:
         rule_ins = [tuple(strategies[c][1][j] for c in combo) for j in range(len(in_ids))]
         outs = tuple(tuple(strategies[c][0][k] for c in combo) for k in range(n_out))
-        ins_list = [s.placements for s in specs]
+        ins_list = list(src_pl)
         for j, k in enumerate(in_ids):
             ins_list[k] = rule_ins[j]
         ins = tuple(ins_list)
-        if mode == "inplace" and (ins[0] != specs[0].placements or outs[0] != specs[0].placements):
+        if mode == "inplace" and (not _same(ins[0], src_pl[0]) or not _same(outs[0], src_pl[0])):
             continue
         if mode == "out" and tuple(outs) != tuple(specs[k].placements for k in sorted(out_slots)):
             continue
+        cost, n_moves = 0.0, 0
         try:
-            cost = cost_of(ins)
-        except ValueError:
+            for k, target in enumerate(ins):
+                if _same(target, src_pl[k]):
+                    continue
+                n_moves += 1  # ties: prefer keeping inputs as they are, then fewer replicated outputs
+                c = costs.get((k, combo))
+                if c is None:
+                    c = costs[(k, combo)] = R.transition_cost(specs[k], target)
+                cost += c
+        except ValueError:  # no legal path to this target
             continue
-        # ties: prefer keeping inputs as they are, then fewer replicated outputs
-        n_moves = sum(not _same(t, s.placements) for s, t in zip(specs, ins))
         n_rep = sum(type(p) is Replicate for o in outs for p in o)
         priced.append((cost, n_moves, n_rep, ins, outs))
     priced.sort(key=lambda t: (t[0], t[1], t[2]))

@@ -170,17 +170,40 @@ def plan(spec: DTensorSpec, dst: Sequence[Placement]) -> tuple[Step, ...]:
     )
 
 
+def _cost_1d(shape, n: int, src: Placement, dst: Placement, itemsize: int) -> float:
+    """transition_cost on a 1-D mesh without building Steps: what _step_cost charges for the direct
+    step, or for the two steps through Replicate (S -> P, P(a) -> P(b))."""
+    numel = 1
+    for v in shape:
+        numel *= v
+    ts, td = type(src), type(dst)
+    if ts is Shard or (ts is not Replicate and ts is not Partial and isinstance(src, Shard)):
+        size = shape[src.dim]
+        local = (-(-size // n) * (numel // size) if size else 0) * itemsize  # the largest chunk
+        if td is Replicate or (td is not Partial and td is not Shard and isinstance(dst, Replicate)):
+            return (n - 1) * local
+        if td is Shard or (td is not Partial and isinstance(dst, Shard)):
+            return (n - 1) * local / n
+        return (n - 1) * local + 0.01 * numel * itemsize + 1.0  # all_gather, then zero (-> Partial)
+    full = numel * itemsize
+    if ts is Replicate or (ts is not Partial and isinstance(src, Replicate)):
+        return 0.01 * full + 1.0  # a local slice or zeroing
+    # Partial source
+    if td is Replicate or (td is not Shard and isinstance(dst, Replicate)):
+        return 2 * (n - 1) * full / n
+    if td is Shard or (td is not Partial and isinstance(dst, Shard)):
+        return (n - 1) * full / n
+    return 2 * (n - 1) * full / n + 0.01 * full + 1.0  # all_reduce, then zero (P(a) -> P(b))
+
+
 def transition_cost(spec: DTensorSpec, dst: Sequence[Placement]) -> float:
     """Bytes received per rank by the planned transition (what the dispatcher minimises)."""
     dst = tuple(dst)
     src = spec.placements
     if dst == src:
         return 0.0
-    if len(dst) == 1:  # one mesh dim (the common case on a cache miss): the steps of plan(), priced
-        itemsize, ms, shape = _itemsize(spec.dtype), spec.mesh_shape, spec.shape
-        if _step_kind(src[0], dst[0]) is not None:
-            return _step_cost(shape, ms, src, 0, dst[0], itemsize)
-        return _step_cost(shape, ms, src, 0, _R, itemsize) + _step_cost(shape, ms, (_R,), 0, dst[0], itemsize)
+    if len(dst) == 1:  # one mesh dim (the common case on a cache miss): plan()'s steps, priced inline
+        return _cost_1d(spec.shape, spec.mesh_shape[0], src[0], dst[0], _itemsize(spec.dtype))
     steps = plan(spec, dst)
     total = 0.0
     if steps:

@@ -194,3 +194,28 @@ def test_plan_cache_is_bounded(monkeypatch):
     finally:
         dispatch._cache.clear()
         dispatch._cache.update(saved)
+
+
+def test_closed_form_1d_costs_equal_the_planned_steps():
+    """redistribute._cost_1d (the cache-miss fast path) prices exactly what plan() + _step_cost do."""
+    import itertools
+
+    import torch
+    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+    from dtshard import redistribute as RD
+    from dtshard.spec import DTensorSpec
+
+    class _Mesh:  # only .shape is read by the cost model
+        def __init__(self, n):
+            self.shape = (n,)
+
+    pls = [Replicate(), Shard(0), Shard(1), Partial("sum"), Partial("max")]
+    for n, shape, (a, b) in itertools.product((2, 3, 4), [(7, 5), (8, 4), (0, 3), (2, 9)], itertools.permutations(pls, 2)):
+        spec = DTensorSpec(_Mesh(n), (a,), shape, (shape[1], 1), torch.float32)
+        steps = RD.plan(spec, (b,))
+        want, state = 0.0, [a]
+        for st in steps:
+            want += RD._step_cost(shape, (n,), tuple(state), 0, st.dst, 4)
+            state[0] = st.dst
+        assert RD._cost_1d(shape, n, a, b, 4) == pytest.approx(want), (n, shape, a, b)
