@@ -1,8 +1,9 @@
 """The only module of dtshard that talks to ``torch.distributed``.
 
-Every collective goes through PyTorch's functional collectives (``torch.ops._c10d_functional``),
-over the process group of ONE mesh dim, so the same code runs eagerly and traces under
-``torch.compile``.  Each call is reported to the active ``dtshard.debug.CommCounter`` objects
+Every collective runs over the process group of ONE mesh dim: under ``torch.compile`` (or any
+dispatch mode) through PyTorch's functional collectives (``torch.ops._c10d_functional``), which
+trace into graphs; eagerly on plain tensors straight on the ProcessGroup object (same
+collectives, without the functional ops' Python layers).  Each call is reported to the active ``dtshard.debug.CommCounter`` objects
 (kind, mesh dim, bytes this rank puts on the wire), which is how tests assert minimum traffic.
 
 Byte accounting (per rank, ``n`` ranks in the group), matching docs/ARCHITECTURE's table:
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.device_mesh import init_device_mesh as _torch_init_device_mesh
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_mode
 
 __all__ = [
     "all_gather",
@@ -36,6 +38,7 @@ __all__ = [
 ]
 
 _fc = torch.ops._c10d_functional
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 from dtshard._trace import comm_observers as _observers
 
@@ -52,6 +55,23 @@ def _group(mesh: DeviceMesh, mesh_dim: int) -> tuple[str, int]:
     if hit is None or hit[0]() is not mesh:
         group = mesh.get_group(mesh_dim)
         hit = _group_names[key] = (weakref.ref(mesh), (group.group_name, mesh.size(mesh_dim)))
+    return hit[1]
+
+
+_pgs: dict[tuple[int, int], tuple] = {}
+
+
+def _eager_group(mesh: DeviceMesh, mesh_dim: int, x: torch.Tensor):
+    """The ProcessGroup object of one mesh dim when ``x`` is a plain tensor outside any tracing
+    (no torch.compile, no dispatch mode): eager calls then go straight to the group, which
+    skips the functional collectives' Python autograd and registry layers (~40 us a call).
+    None otherwise: the functional collectives trace into graphs."""
+    if type(x) is not torch.Tensor or torch.compiler.is_compiling() or _current_mode() is not None:
+        return None
+    key = (id(mesh), mesh_dim)
+    hit = _pgs.get(key)
+    if hit is None or hit[0]() is not mesh:
+        hit = _pgs[key] = (weakref.ref(mesh), mesh.get_group(mesh_dim))
     return hit[1]
 
 
@@ -91,7 +111,13 @@ def all_gather(x: torch.Tensor, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor
     name, n = _group(mesh, mesh_dim)
     if _observers:
         _notify("all_gather", mesh_dim, (n - 1) * _nbytes(x), n)
-    return _fc.wait_tensor(_fc.all_gather_into_tensor(x.contiguous(), n, name))
+    x = x.contiguous()
+    pg = _eager_group(mesh, mesh_dim, x)
+    if pg is not None:
+        out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]) if x.dim() else (n,))
+        pg._allgather_base(out, x).wait()
+        return out
+    return _fc.wait_tensor(_fc.all_gather_into_tensor(x, n, name))
 
 
 def reduce_scatter(x: torch.Tensor, op: str, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
@@ -99,7 +125,15 @@ def reduce_scatter(x: torch.Tensor, op: str, mesh: DeviceMesh, mesh_dim: int) ->
     name, n = _group(mesh, mesh_dim)
     if _observers:
         _notify("reduce_scatter", mesh_dim, (n - 1) * _nbytes(x) // n, n)
-    return _fc.wait_tensor(_fc.reduce_scatter_tensor(x.contiguous(), op, n, name))
+    x = x.contiguous()
+    pg = _eager_group(mesh, mesh_dim, x) if op in _REDUCE_OPS else None
+    if pg is not None:
+        out = x.new_empty((x.shape[0] // n,) + tuple(x.shape[1:]))
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = _REDUCE_OPS[op]
+        pg._reduce_scatter_base(out, x, opts).wait()
+        return out
+    return _fc.wait_tensor(_fc.reduce_scatter_tensor(x, op, n, name))
 
 
 def all_reduce(x: torch.Tensor, op: str, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
@@ -107,6 +141,13 @@ def all_reduce(x: torch.Tensor, op: str, mesh: DeviceMesh, mesh_dim: int) -> tor
     name, n = _group(mesh, mesh_dim)
     if _observers:
         _notify("all_reduce", mesh_dim, 2 * (n - 1) * _nbytes(x) // n, n)
+    pg = _eager_group(mesh, mesh_dim, x) if op in _REDUCE_OPS else None
+    if pg is not None:
+        out = x.clone(memory_format=torch.contiguous_format)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = _REDUCE_OPS[op]
+        pg.allreduce([out], opts).wait()
+        return out
     return _fc.wait_tensor(_fc.all_reduce(x.contiguous(), op, name))
 
 
@@ -124,9 +165,13 @@ def all_to_all(
         row = _nbytes(x) // max(x.shape[0], 1) if x.dim() else _nbytes(x)
         sent = (sum(input_split_sizes) - input_split_sizes[me]) * row
         _notify("all_to_all", mesh_dim, sent, n)
-    return _fc.wait_tensor(
-        _fc.all_to_all_single(x.contiguous(), list(output_split_sizes), list(input_split_sizes), name)
-    )
+    x = x.contiguous()
+    pg = _eager_group(mesh, mesh_dim, x)
+    if pg is not None:
+        out = x.new_empty((sum(output_split_sizes),) + tuple(x.shape[1:]))
+        pg.alltoall_base(out, x, list(output_split_sizes), list(input_split_sizes), dist.AllToAllOptions()).wait()
+        return out
+    return _fc.wait_tensor(_fc.all_to_all_single(x, list(output_split_sizes), list(input_split_sizes), name))
 
 
 def broadcast(x: torch.Tensor, src_index: int, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:

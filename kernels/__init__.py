@@ -90,6 +90,8 @@ def triton_available() -> bool:
 def resolve_backend(t: torch.Tensor, backend: str | None = None, fn: str = "resolve_backend") -> str:
     """The backend (``"reference"`` or ``"triton"``) that a call on tensor ``t`` would use."""
     name = backend if backend is not None else os.environ.get(ENV_VAR, "auto")
+    if name == "auto" and t.device.type == "cpu":
+        return "reference"  # the common CPU case, decided without the checks below
     if not isinstance(name, str) or name.strip().lower() not in BACKENDS:
         src = "backend" if backend is not None else f"${ENV_VAR}"
         raise ValueError(f"dtshard_kernels.{fn}: {src} must be one of {', '.join(BACKENDS)}, got {name!r}")

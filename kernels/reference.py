@@ -52,6 +52,8 @@ def _check_tensor(fn: str, name: str, t) -> None:
 
 
 def _norm_dim(fn: str, dim, ndim: int, shape, what: str = "x") -> int:
+    if type(dim) is int and 0 <= dim < ndim:
+        return dim  # the common case, checked cheaply
     if not _is_int(dim):
         raise _err(fn, f"dim must be an int, got {dim!r} ({type(dim).__name__})")
     if ndim < 1:
@@ -62,6 +64,8 @@ def _norm_dim(fn: str, dim, ndim: int, shape, what: str = "x") -> int:
 
 
 def _check_size_list(fn: str, sizes, shape, dim, what: str = "sizes") -> list:
+    if type(sizes) in (list, tuple) and all(type(s) is int and s >= 0 for s in sizes):
+        return list(sizes)  # the common case, checked cheaply
     if isinstance(sizes, torch.Tensor) or not isinstance(sizes, Sequence) or isinstance(sizes, str):
         raise _err(fn, f"{what} must be a list of ints, got {sizes!r} (shape {_shape_str(shape)}, dim {dim})")
     sizes = list(sizes)
@@ -268,6 +272,9 @@ def _pack(x, dim, sizes, block):
 
 
 def _unpack(buf, dim, sizes):
+    if sizes and all(s == buf.shape[dim + 1] for s in sizes):
+        # no padding anywhere: one concatenation of the blocks (always a new tensor)
+        return torch.cat(buf.unbind(0), dim)
     out = buf.new_empty(_with(buf.shape[1:], dim, sum(sizes)))
     off = 0
     for r, s in enumerate(sizes):
