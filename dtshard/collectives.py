@@ -66,8 +66,8 @@ def _eager_group(mesh: DeviceMesh, mesh_dim: int, x: torch.Tensor):
     (no torch.compile, no dispatch mode): eager calls then go straight to the group, which
     skips the functional collectives' Python autograd and registry layers (~40 us a call).
     None otherwise: the functional collectives trace into graphs."""
-    if type(x) is not torch.Tensor or torch.compiler.is_compiling() or _current_mode() is not None:
-        return None
+    if type(x) is not torch.Tensor or x.is_complex() or torch.compiler.is_compiling() or _current_mode() is not None:
+        return None  # complex: the functional ops move them as real views (gloo has no complex)
     key = (id(mesh), mesh_dim)
     hit = _pgs.get(key)
     if hit is None or hit[0]() is not mesh:

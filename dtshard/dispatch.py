@@ -162,7 +162,7 @@ def dispatch(op, args: tuple, kwargs: dict):
             if t is not None:
                 largs[pos[k]] = _redistribute_input(op, dts[k], t)
     for idx, shape in plan.shape_overrides:
-        largs[idx] = list(shape)
+        largs[idx] = shape
     out = plan.local_op(*largs, **kwargs)
     if plan.mode == "inplace":
         return args[0]

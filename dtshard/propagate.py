@@ -26,7 +26,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from dtshard import redistribute as R
 from dtshard.registry import OpCall, RuleEntry, get_entry
 from dtshard.spec import (DTensorSpec, TensorMeta, contiguous_strides, local_shape_and_offset, mesh_identity,
-                          placements_str)
+                          placement_equal, placements_equal, placements_str)
 
 __all__ = ["Plan", "propagate", "NoRuleError", "RuleError", "config"]
 
@@ -217,24 +217,6 @@ def _error_context(op, specs: Sequence[DTensorSpec]) -> str:
     return f"{op} on inputs [{ins}] over mesh {tuple(mesh.shape) if mesh is not None else ()}"
 
 
-def _same_placement(a, b) -> bool:
-    if a is b:
-        return True
-    t = type(a)
-    if t is not type(b):
-        return False
-    if t is Shard:
-        return a.dim == b.dim
-    if t is Replicate:
-        return True
-    return a == b
-
-
-def _same(a: tuple, b: tuple) -> bool:
-    """Placement tuples equal (Placement.__eq__ is slow Python; exact types are compared first)."""
-    return len(a) == len(b) and all(_same_placement(x, y) for x, y in zip(a, b))
-
-
 def _all_replicate(strategy) -> bool:
     return all(type(p) is Replicate for group in strategy for p in group)
 
@@ -357,14 +339,14 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
         for j, k in enumerate(in_ids):
             ins_list[k] = rule_ins[j]
         ins = tuple(ins_list)
-        if mode == "inplace" and (not _same(ins[0], src_pl[0]) or not _same(outs[0], src_pl[0])):
+        if mode == "inplace" and (not placements_equal(ins[0], src_pl[0]) or not placements_equal(outs[0], src_pl[0])):
             continue
         if mode == "out" and tuple(outs) != tuple(specs[k].placements for k in sorted(out_slots)):
             continue
         cost, n_moves = 0.0, 0
         try:
             for k, target in enumerate(ins):
-                if _same(target, src_pl[k]):
+                if placements_equal(target, src_pl[k]):
                     continue
                 n_moves += 1  # ties: prefer keeping inputs as they are, then fewer replicated outputs
                 c = costs.get((k, combo))

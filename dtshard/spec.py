@@ -79,6 +79,25 @@ def placements_str(ps: Sequence[Placement]) -> str:
     return "(" + ", ".join(placement_str(p) for p in ps) + ")"
 
 
+def placement_equal(a: Placement, b: Placement) -> bool:
+    """``a == b`` for placements, by exact type first (Placement.__eq__ and isinstance on
+    placement classes are slow Python; this sits on dispatch-cache key comparisons)."""
+    if a is b:
+        return True
+    t = type(a)
+    if t is not type(b):
+        return False
+    if t is Shard:
+        return a.dim == b.dim
+    if t is Replicate:
+        return True
+    return a == b
+
+
+def placements_equal(a: Sequence[Placement], b: Sequence[Placement]) -> bool:
+    return len(a) == len(b) and all(placement_equal(x, y) for x, y in zip(a, b))
+
+
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     """torch's strides for a contiguous tensor of ``shape`` (zero sizes count as one)."""
     stride, acc = [], 1
@@ -135,7 +154,7 @@ class DTensorSpec:
             isinstance(other, DTensorSpec)
             and hash(self) == hash(other)
             and (self.mesh is other.mesh or mesh_identity(self.mesh) == mesh_identity(other.mesh))
-            and self.placements == other.placements
+            and placements_equal(self.placements, other.placements)
             and self.shape == other.shape
             and self.stride == other.stride
             and self.dtype == other.dtype
