@@ -131,7 +131,9 @@ def reduce_scatter(x: torch.Tensor, op: str, mesh: DeviceMesh, mesh_dim: int) ->
         out = x.new_empty((x.shape[0] // n,) + tuple(x.shape[1:]))
         opts = dist.ReduceScatterOptions()
         opts.reduceOp = _REDUCE_OPS[op]
-        pg._reduce_scatter_base(out, x, opts).wait()
+        work = pg._reduce_scatter_base(out, x, opts)
+        del x  # the backend holds what it needs: a packed input the caller let go dies before the wait
+        work.wait()
         return out
     return _fc.wait_tensor(_fc.reduce_scatter_tensor(x, op, n, name))
 

@@ -304,12 +304,20 @@ def _reduce_scatter(x, spec, i, me, op, d):
         return x.new_zeros(_with(x.shape, d, mine))
     if d == 0 and all(s == block for s in sizes):
         return C.reduce_scatter(x, op, spec.mesh, i)
-    buf = _copied("pack", K.pack(x, d, sizes, block))  # (n, *block shape)
-    out = C.reduce_scatter(buf.view(n * buf.shape[1], *buf.shape[2:]), op, spec.mesh, i)
+    # the packed rows are passed without keeping a name for them here: the collective drops
+    # its reference once the backend has the data, so the buffer does not outlive the wait
+    out = C.reduce_scatter(_packed_rows(x, d, sizes, block), op, spec.mesh, i)
     out = out.view(_with(x.shape, d, block))
     if mine != block:
         out = _copied("slice", K.slice_copy(out, d, 0, mine))
     return out
+
+
+def _packed_rows(x, d, sizes, block):
+    """``x`` split along ``d`` into ``sizes`` chunks, each padded to ``block``, stacked along dim 0
+    and flattened into rows: ``(n * block, ...)`` for a dim-0 collective."""
+    buf = _copied("pack", K.pack(x, d, sizes, block))  # (n, *block shape)
+    return buf.view(buf.shape[0] * buf.shape[1], *buf.shape[2:])
 
 
 def _all_to_all(x, spec, state, i, coord, d, e):
@@ -322,10 +330,16 @@ def _all_to_all(x, spec, state, i, coord, d, e):
     # skip the collective only on conditions every rank of the group agrees on
     if _numel_except(x.shape, d, e) == 0 or sum(sizes_d) == 0 or x.shape[e] == 0:
         return x.new_zeros(out_shape)
-    flat = _copied("pack", K.a2a_pack(x, e, sizes_e))
+    if x.is_contiguous() and all(s == 1 for s in x.shape[:e]):
+        flat = x.reshape(-1)  # split along the outermost non-trivial dim: already in send order
+    else:
+        flat = _copied("pack", K.a2a_pack(x, e, sizes_e))
     per_e = _numel_except(x.shape, e)
     per_d = _numel_except(piece, d)
     recv = C.all_to_all(flat, [s * per_d for s in sizes_d], [s * per_e for s in sizes_e], spec.mesh, i)
+    del flat  # the send buffer is dead: free it before the unpack allocates the output
+    if all(s == 1 for s in piece[:d]):
+        return recv.view(out_shape)  # joined along the outermost non-trivial dim: already in order
     return _copied("unpack", K.a2a_unpack(recv, list(piece), d, sizes_d))
 
 
