@@ -2,12 +2,14 @@
 
     python -m dtshard.demo                       # spawns 2 CPU processes (gloo)
     python -m dtshard.demo --steps 10 --world-size 4
+    python -m dtshard.demo --model llama         # the Llama-style model of dtshard.models, AdamW
+    python -m dtshard.demo --model cnn           # the UNet of dtshard.models, images sharded on H
     torchrun --nproc-per-node 2 -m dtshard.demo  # or let torchrun start the ranks
 
-A transformer block (layer_norm -> multi-head self-attention with heads sharded -> residual ->
-layer_norm -> MLP -> residual) is written once, as ordinary ``torch.nn`` code.  Every rank builds it
-from the same seed twice: once as a plain single-process model (the reference) and once with its
-parameters turned into dtshard DTensors the Megatron way:
+The default model (``--model block``): a transformer block (layer_norm -> multi-head self-attention
+with heads sharded -> residual -> layer_norm -> MLP -> residual) is written once, as ordinary
+``torch.nn`` code.  Every rank builds it from the same seed twice: once as a plain single-process
+model (the reference) and once with its parameters turned into dtshard DTensors the Megatron way:
 
 - column-parallel (``Shard(0)`` weight and bias): attention q/k/v projections, MLP fc1;
 - row-parallel (``Shard(1)`` weight, replicated bias): attention output projection, MLP fc2;
@@ -23,6 +25,17 @@ The model code uses only ``torch`` and the public dtshard API that mirrors
 ``torch.distributed.tensor`` (``distribute_tensor``, ``distribute_module``, ``Shard``,
 ``Replicate``, ``init_device_mesh``): replace ``dtshard`` by ``torch.distributed.tensor`` in the
 imports of :func:`shard_block` and it runs on PyTorch's DTensor.
+
+``--model llama``: the Llama-style decoder of :mod:`dtshard.models` (RMSNorm, rotary embeddings,
+grouped-query attention, SwiGLU, an untied LM head) parallelized with torchtitan's tensor +
+sequence parallel plan through ``dtshard.parallel`` (PyTorch's ``parallelize_module`` API), trained
+with ``torch.optim.AdamW`` on a next-token cross-entropy computed under ``loss_parallel()`` (the
+logits stay sharded on the vocabulary).  When the k/v heads divide by the number of ranks the
+projections hand local shards to the attention body (torchtitan's plan); otherwise (4 ranks, 2 k/v
+heads) the plan keeps DTensors throughout and attention runs on DTensors.
+
+``--model cnn``: the UNet of :mod:`dtshard.models` trained with plain SGD, with the images sharded
+on H (convolutions and pooling exchange halos with their neighbours).
 """
 
 from __future__ import annotations
@@ -397,23 +410,163 @@ def report_cnn(steps: int, world: int, ranks: list[dict], elapsed: float, height
     return ok
 
 
+# ---------------------------------------------------------------------------------------------
+# --model llama: the Llama-style model of dtshard.models, tensor + sequence parallel, AdamW
+# ---------------------------------------------------------------------------------------------
+
+LLAMA_LR = 2e-3
+# |d loss| <= LLAMA_RTOL |loss|, and per weight tensor max|d W| <= LLAMA_RTOL max|W| (AdamW divides
+# by the root of the squared gradients, so an element whose gradient nearly cancels amplifies
+# rounding noise; the per-tensor scale is the meaningful one, as in tests/distributed/test_llama.py)
+LLAMA_RTOL = 1e-5
+
+
+def train_llama_worker(steps: int) -> dict:
+    """Train the single-process Llama model and its tensor-parallel copy side by side on this rank."""
+    import dtshard.parallel
+    from dtshard.models import LlamaConfig, Transformer, parallelize
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    cfg = LlamaConfig()
+    local_output = cfg.n_kv_heads % world == 0  # torchtitan's plan needs whole k/v heads per rank
+    ref = Transformer(cfg)  # deterministic init: identical on every rank
+    model = parallelize(copy.deepcopy(ref), mesh, dtshard.parallel, local_output=local_output)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=LLAMA_LR, foreach=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=LLAMA_LR, foreach=False)
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 9), generator=g)  # batch 2, sequence 8 (+1 label)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    ref_params = dict(ref.named_parameters())
+
+    rows = []
+    for step in range(1, steps + 1):
+        loss_ref = F.cross_entropy(ref(inputs).flatten(0, 1), labels.flatten(0, 1))
+        loss_ref.backward()
+
+        t0 = time.perf_counter()
+        with CommCounter() as comm:
+            with dtshard.parallel.loss_parallel():
+                loss = F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten(0, 1))
+                loss.backward()
+            fwd_bwd = comm.bytes()
+            opt.step()
+        step_s = time.perf_counter() - t0
+
+        # compare (outside the counter: full_tensor() gathers); gradients before the updates
+        g_abs = max(_max_dev(p.grad.full_tensor(), ref_params[n].grad)[0] for n, p in model.named_parameters())
+        opt_ref.step()
+        opt_ref.zero_grad()
+        opt.zero_grad()
+        w_abs, w_scaled, worst = 0.0, 0.0, ""
+        for n, p in model.named_parameters():
+            want = ref_params[n].detach()
+            d = (p.full_tensor() - want).abs().max().item()
+            scaled = d / want.abs().max().item()
+            if scaled > w_scaled:
+                worst = n
+            w_abs, w_scaled = max(w_abs, d), max(w_scaled, scaled)
+        loss_val = loss.full_tensor().item()
+        rows.append({
+            "step": step, "loss": loss_val, "loss_ref": loss_ref.item(),
+            "loss_abs": abs(loss_val - loss_ref.item()), "w_abs": w_abs, "w_scaled": w_scaled,
+            "worst": worst, "g_abs": g_abs, "kinds": dict(Counter(comm.kinds())), "bytes": comm.bytes(),
+            "opt_bytes": comm.bytes() - fwd_bwd, "step_s": step_s,
+        })
+    params = [(n, tuple(ref_params[n].shape), dtshard_placements(p), tuple(p.to_local().shape))
+              for n, p in model.named_parameters() if not n.startswith("layers.") or n.startswith("layers.0.")]
+    result = {"rank": dist.get_rank(), "world": world, "rows": rows, "params": params,
+              "local_output": local_output, "cfg": cfg}
+    everyone = [None] * world  # every rank gets every rank's records (torchrun: rank 0 prints them)
+    dist.all_gather_object(everyone, result)
+    return {"ranks": everyone}
+
+
+def _llama_step_ok(per_rank: list[dict]) -> bool:
+    within = all(r["loss_abs"] <= LLAMA_RTOL * abs(r["loss_ref"]) and r["w_scaled"] <= LLAMA_RTOL
+                 for r in per_rank)
+    return within and len({r["loss"] for r in per_rank}) == 1
+
+
+def report_llama(steps: int, ranks: list[dict], elapsed: float) -> bool:
+    """Print the tables of ``--model llama``; return True when every rank matched one process."""
+    r0 = ranks[0]
+    world, cfg = r0["world"], r0["cfg"]
+    print(f"dtshard {dtshard.__version__} demo: Llama-style model (dtshard.models.Transformer), tensor + "
+          f"sequence parallel on {world} CPU rank{'s' if world > 1 else ''} (gloo), torch {torch.__version__}")
+    print(f"model: dim={cfg.dim} layers={cfg.n_layers} heads={cfg.n_heads} kv_heads={cfg.n_kv_heads} "
+          f"ffn={cfg.ffn_hidden} vocab={cfg.vocab_size}; tokens (2, 8); AdamW(lr={LLAMA_LR}); "
+          f"cross_entropy under loss_parallel(); float32")
+    plan = ("torchtitan's: the projections hand local shards to attention/MLP" if r0["local_output"] else
+            f"DTensors throughout ({cfg.n_kv_heads} k/v heads do not split over {world} ranks)")
+    print(f"plan: dtshard.models.tp_plan via dtshard.parallel.parallelize_module; {plan}")
+    print(f"tolerance: |d loss| <= {LLAMA_RTOL:g}*|loss|, each weight max|d W| <= {LLAMA_RTOL:g}*max|W|")
+    print()
+    print("parameters (rank 0's shard; the other layers as layers.0):")
+    print(_table(["name", "global shape", "placements", "local shape"],
+                 [[n, str(s), p, str(ls)] for n, s, p, ls in r0["params"]], "llll"))
+    print()
+    used = {k for r in ranks for row in r["rows"] for k in row["kinds"]}
+    kinds = [k for k in _KINDS if k in used] + sorted(used - set(_KINDS))
+    short = [_KINDS.get(k, k) for k in kinds]
+    ok, rows = True, []
+    for k in range(steps):
+        per_rank = [r["rows"][k] for r in ranks]
+        row = per_rank[0]
+        good = _llama_step_ok(per_rank)
+        ok &= good
+        rows.append(
+            [str(row["step"]), f"{row['loss']:.7f}", f"{row['loss_ref']:.7f}",
+             f"{max(r['loss_abs'] for r in per_rank):.1e}", f"{max(r['w_abs'] for r in per_rank):.1e}",
+             f"{max(r['w_scaled'] for r in per_rank):.1e}", f"{max(r['g_abs'] for r in per_rank):.1e}"]
+            + [str(row["kinds"].get(kind, 0)) for kind in kinds]
+            + [f"{row['bytes']:,}", f"{row['step_s'] * 1e3:.0f}", "ok" if good else "FAIL"])
+    print("training: deviations from the single-process model are the max over all ranks; collectives per "
+          "step\n(forward + loss + backward + AdamW) counted by dtshard.debug.CommCounter, bytes = bytes "
+          "this rank sent")
+    print(_table(["step", "loss dtshard", "loss torch", "|d loss|", "max|d W|", "max|dW|/max|W|", "max|d grad|"]
+                 + short + ["bytes", "ms", ""], rows, "rrrrrrr" + "r" * len(kinds) + "rrl"))
+    if kinds:
+        print("(" + ", ".join(f"{s} = {k}" for s, k in zip(short, kinds) if s != k) + "; of the bytes, "
+              f"{r0['rows'][0]['opt_bytes']:,} per step are the optimizer's reads of Partial gradients)")
+    print()
+    if not ok:
+        for k in range(steps):
+            for r in ranks:
+                row = r["rows"][k]
+                if not _llama_step_ok([row]):
+                    print(f"FAIL: step {row['step']} rank {r['rank']}: loss |d|={row['loss_abs']:.3e}, "
+                          f"weights max|d W|/max|W|={row['w_scaled']:.3e} (worst: {row['worst'] or '-'})")
+            if len({r["rows"][k]["loss"] for r in ranks}) != 1:
+                print(f"FAIL: step {k + 1}: the ranks disagree on the loss: "
+                      + ", ".join(f"rank {r['rank']}: {r['rows'][k]['loss']!r}" for r in ranks))
+        print(f"FAILED: dtshard deviates from the single-process model ({elapsed:.1f} s)")
+    else:
+        print(f"OK: {steps} AdamW steps on {world} rank{'s' if world > 1 else ''} match the single-process "
+              f"model on every rank ({elapsed:.1f} s)")
+    return ok
+
+
 def _under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dtshard.demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=5, help="SGD steps (default 5)")
+    parser.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
     parser.add_argument("--world-size", type=int, default=2,
                         help="CPU processes to spawn (default 2; ignored under torchrun)")
-    parser.add_argument("--model", choices=("block", "cnn"), default="block",
-                        help="block: the tensor-parallel transformer block (default); cnn: a UNet "
-                             "with the images sharded on H (spatial halo exchange)")
+    parser.add_argument("--model", choices=("block", "llama", "cnn"), default="block",
+                        help="block: the tensor-parallel transformer block (default); llama: the "
+                             "Llama-style model with tensor + sequence parallelism and AdamW; cnn: a "
+                             "UNet with the images sharded on H (spatial halo exchange)")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.world_size < 1:
         parser.error("--steps and --world-size must be >= 1")
     if args.model == "cnn":
         return _main_cnn(args)
+    if args.model == "llama":
+        return _main_llama(args)
 
     from dtshard.demo import train_worker as worker  # by module name, so spawned ranks import it
     from dtshard.testing import DistributedTestError, launch
@@ -455,6 +608,31 @@ def _main_cnn(args) -> int:
     if torchrun and int(os.environ["RANK"]) != 0:
         return 0
     return 0 if report_cnn(args.steps, world, results, time.perf_counter() - start, 14) else 1
+
+
+def _main_llama(args) -> int:
+    from dtshard.demo import train_llama_worker  # by module name, so spawned ranks import it
+    from dtshard.testing import DistributedTestError, launch
+
+    torchrun = _under_torchrun()
+    world = int(os.environ["WORLD_SIZE"]) if torchrun else args.world_size
+    start = time.perf_counter()
+    try:
+        results = launch(train_llama_worker, world, args.steps, timeout=300.0)
+    except DistributedTestError as e:
+        print(f"FAILED: the demo raised on some rank:\n{e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # noqa: BLE001 - torchrun: this rank raised
+        import traceback
+
+        traceback.print_exc()
+        print(f"FAILED: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    elapsed = time.perf_counter() - start
+    ranks = results[0]["ranks"]
+    if torchrun and int(os.environ["RANK"]) != 0:
+        return 0 if all(_llama_step_ok([r["rows"][k] for r in ranks]) for k in range(args.steps)) else 1
+    return 0 if report_llama(args.steps, ranks, elapsed) else 1
 
 
 def _all_ok(ranks: list[dict]) -> bool:

@@ -1,17 +1,43 @@
-"""Small models shared by the demo and the tests (plain PyTorch code, nothing dtshard-specific).
+"""Small models shared by the demo and the tests (plain PyTorch code, nothing
+dtshard-specific: the same code runs on plain tensors, on dtshard's DTensors and on PyTorch's).
 
 ``unet``: a UNet-like CNN written functionally over a parameter dict, so the same function runs on
 plain tensors and on DTensors: two down levels (conv3x3 + batch_norm + relu, max_pool 2), a
 bottleneck, two up levels (nearest upsampling to the skip's size, concat of the skip over
-channels, conv3x3 + batch_norm + relu), a 1x1 head.
+channels, conv3x3 + batch_norm + relu), a 1x1 head.  ``python -m dtshard.demo --model cnn`` trains
+it with the images sharded on H.
+
+``Transformer``: a tiny Llama 2/3-style decoder as ``torch.nn`` modules (``LlamaConfig``): token
+embedding, ``n_layers`` blocks of ``x + attention(attention_norm(x))`` and
+``h + feed_forward(ffn_norm(h))`` with RMSNorm (``nn.RMSNorm``), rotary position embeddings,
+grouped-query attention (``n_kv_heads`` < ``n_heads``: k/v heads repeated to the query heads, then
+``F.scaled_dot_product_attention`` causal), a SwiGLU MLP, a final norm and an LM head, untied from
+the embedding or tied to it.  Head counts are taken from the tensors (``view(..., -1, head_dim)``),
+as torchtitan does, so the same code runs on full tensors, on local shards and on DTensors.
+``tp_plan(tp, ...)`` builds torchtitan's tensor + sequence parallel plan with the styles of a given
+module ``tp`` (``torch.distributed.tensor.parallel`` or ``dtshard.parallel``: the same code for
+both) and ``parallelize(model, mesh, tp)`` applies it.  ``python -m dtshard.demo --model llama``
+trains it with AdamW.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["unet", "unet_params", "unet_stats", "train_unet"]
+__all__ = [
+    "unet", "unet_params", "unet_stats", "train_unet",
+    "LlamaConfig", "Transformer", "tp_plan", "parallelize",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# UNet
+# ---------------------------------------------------------------------------------------------
 
 
 def unet_params(c_in: int = 3, c_out: int = 2, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -79,3 +105,192 @@ def train_unet(x, y, p, s, up: str, steps: int, lr: float = 0.05, on_step=None) 
         if on_step is not None:
             on_step(step)
     return losses
+
+
+# ---------------------------------------------------------------------------------------------
+# Llama
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    dim: int = 32
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    vocab_size: int = 64
+    ffn_hidden: int = 64
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 16
+    tie_embeddings: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables (seq_len, head_dim) of the rotary embedding (rotate-half convention)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)  # (S, hd/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (S, hd)
+    return angles.cos(), angles.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, S, H, hd); cos/sin (S, hd)."""
+    cos = cos.unsqueeze(0).unsqueeze(2)
+    sin = sin.unsqueeze(0).unsqueeze(2)
+    return x * cos + rotate_half(x) * sin
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """(B, S, Hkv, hd) -> (B, S, Hkv * n_rep, hd): each k/v head serves n_rep query heads."""
+    if n_rep == 1:
+        return x
+    b, s, h, d = x.shape
+    return x.unsqueeze(3).expand(b, s, h, n_rep, d).reshape(b, s, h * n_rep, d)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.n_rep = cfg.n_heads // cfg.n_kv_heads
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bs, seqlen, _ = x.shape
+        xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
+        xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
+        xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
+        xq = apply_rotary(xq, cos, sin)
+        xk = apply_rotary(xk, cos, sin)
+        keys = repeat_kv(xk, self.n_rep)
+        values = repeat_kv(xv, self.n_rep)
+        q, k, v = (t.transpose(1, 2) for t in (xq, keys, values))  # (B, H, S, hd)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = out.transpose(1, 2).contiguous().view(bs, seqlen, -1)
+        return self.wo(out)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x, cos, sin):
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList([TransformerBlock(cfg) for _ in range(cfg.n_layers)])
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        g = torch.Generator().manual_seed(1234)
+        for name, p in self.named_parameters():
+            if p.dim() == 2:  # linear/embedding: small normal; norms stay ones (SequenceParallel's assumption)
+                with torch.no_grad():
+                    p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        seqlen = tokens.shape[1]
+        cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))
+
+
+def tp_plan(tp, *, embedding: str = "rowwise", local_output: bool = True):
+    """The tensor-parallel + sequence-parallel plan of :class:`Transformer`, with the styles of
+    module ``tp``.  Norms run on sequence shards (``SequenceParallel``), the residual stream is
+    sequence-sharded, and each block gathers the sequence before its projections.
+
+    ``local_output=True`` is torchtitan's plan: the projections hand LOCAL shards to the attention
+    and MLP bodies (so ``n_kv_heads`` must divide by the mesh size) and the residual stream is the
+    local sequence shard.  ``local_output=False`` keeps DTensors everywhere (the rope tables are
+    annotated as replicated), so attention runs as DTensor ops (``scaled_dot_product_attention``
+    with the heads sharded) and any head count works.  ``embedding``: "rowwise" (vocab rows
+    sharded) or "colwise" (embedding dim sharded).  Returns ``(model_plan, layer_plan)``.
+    """
+    from torch.distributed.tensor.placement_types import Replicate, Shard
+
+    seq = Shard(1)
+    keep = not local_output  # use_local_output=False keeps DTensors
+    emb_style = tp.RowwiseParallel if embedding == "rowwise" else tp.ColwiseParallel
+    model_plan = {
+        "tok_embeddings": emb_style(input_layouts=Replicate(), output_layouts=seq, use_local_output=local_output),
+        "norm": tp.SequenceParallel(),
+        "output": tp.ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
+    }
+    rope = Replicate() if keep else None
+    layer_plan = {
+        "attention_norm": tp.SequenceParallel(),
+        "attention": tp.PrepareModuleInput(
+            input_layouts=(seq, rope, rope),
+            desired_input_layouts=(Replicate(), rope, rope),
+            use_local_output=False,
+        ),
+        "attention.wq": tp.ColwiseParallel(use_local_output=local_output),
+        "attention.wk": tp.ColwiseParallel(use_local_output=local_output),
+        "attention.wv": tp.ColwiseParallel(use_local_output=local_output),
+        "attention.wo": tp.RowwiseParallel(output_layouts=seq, use_local_output=local_output),
+        "ffn_norm": tp.SequenceParallel(),
+        "feed_forward": tp.PrepareModuleInput(
+            input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=False
+        ),
+        "feed_forward.w1": tp.ColwiseParallel(use_local_output=local_output),
+        "feed_forward.w2": tp.RowwiseParallel(output_layouts=seq, use_local_output=local_output),
+        "feed_forward.w3": tp.ColwiseParallel(use_local_output=local_output),
+    }
+    return model_plan, layer_plan
+
+
+def parallelize(model: Transformer, mesh, tp, **plan_kwargs) -> Transformer:
+    """Apply :func:`tp_plan` with ``tp.parallelize_module`` (re-tying a tied LM head)."""
+    model_plan, layer_plan = tp_plan(tp, **plan_kwargs)
+    for layer in model.layers:
+        tp.parallelize_module(layer, mesh, layer_plan)
+    tp.parallelize_module(model, mesh, model_plan)
+    if model.cfg.tie_embeddings:  # the two styles made two parameters: tie them again
+        model.output.weight = model.tok_embeddings.weight
+    return model

@@ -1,7 +1,8 @@
 """A Llama-style model trained with tensor + sequence parallelism on dtshard, against the same
 model in one process: 5 AdamW steps, the loss of every step and every weight after every step.
 
-The plan is torchtitan's (``llama_model.tp_plan``): q/k/v and the MLP's gate/up projections
+The model and its plan are :mod:`dtshard.models`' (``python -m dtshard.demo --model llama`` trains
+them too).  The plan is torchtitan's (``tp_plan``): q/k/v and the MLP's gate/up projections
 ``ColwiseParallel``, the attention output and MLP down projections ``RowwiseParallel`` (reducing
 to sequence shards), ``SequenceParallel`` RMSNorms, the embedding row- or column-wise, the LM head
 ``ColwiseParallel`` with its logits left sharded on the vocabulary for ``loss_parallel``.  Two
@@ -26,10 +27,10 @@ import torch.nn.functional as F
 
 import dtshard
 import dtshard.parallel
+from dtshard.models import LlamaConfig, Transformer, parallelize
 from dtshard.testing import run_distributed
 
 from _cases import mesh
-from llama_model import LlamaConfig, Transformer, parallelize
 
 STEPS = 5
 LR = 2e-3
