@@ -9,6 +9,7 @@ for it runs unchanged, and tensors convert both ways without moving data (:meth:
 
 from __future__ import annotations
 
+import sys
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -153,7 +154,10 @@ class DTensor(torch.Tensor):
                 )
         if not (local_tensor.requires_grad and torch.is_grad_enabled()):
             return DTensor(local_tensor.view_as(local_tensor), spec, requires_grad=False)
-        return _FromLocal.apply(local_tensor, spec, tuple(grad_placements) if grad_placements is not None else None)
+        grad_placements = tuple(grad_placements) if grad_placements is not None else None
+        if torch.compiler.is_dynamo_compiling():  # one graph node (see _from_local_in_graph)
+            return _from_local_in_graph(local_tensor, device_mesh, spec.placements, shape, stride, grad_placements)
+        return _FromLocal.apply(local_tensor, spec, grad_placements)
 
     def to_local(self, *, grad_placements: Optional[Sequence[Placement]] = None) -> torch.Tensor:
         """This rank's shard as a plain tensor (differentiable: the gradient is taken to have
@@ -307,6 +311,51 @@ class _FromLocal(torch.autograd.Function):
         return grad.to_local(), None, None
 
 
+def _from_local_in_graph(local, mesh, placements, shape, stride, grad_placements) -> DTensor:
+    """``from_local`` of a tensor that requires grad, as ONE node of a ``torch.compile`` graph
+    (registered with ``torch.compiler.allow_in_graph`` below; AOTAutograd then traces
+    ``_FromLocal`` as usual).  PyTorch's Dynamo puts its own ``DTensor.from_local`` in the graph the
+    same way.  Traced inline instead, ``_FromLocal.forward`` becomes a Dynamo subgraph, and when the
+    mesh is a graph input (a ``DeviceMesh`` from a closure or a module, e.g. a parallel style's input
+    hook) the spec built in that subgraph holds the mesh proxy of the outer graph, which Dynamo does
+    not lift out of a dataclass: "create_node using arg not from this SubgraphTracer"."""
+    spec = DTensorSpec(mesh, tuple(placements), tuple(shape), tuple(stride), local.dtype)
+    return _FromLocal.apply(local, spec, grad_placements)
+
+
+def _register_with_dynamo() -> None:
+    torch.compiler.allow_in_graph(_from_local_in_graph)
+
+
+class _OnDynamoImport:
+    """Runs :func:`_register_with_dynamo` right after ``torch._dynamo`` is imported (importing it
+    here would add about a second to ``import dtshard``; a program that compiles imports it anyway)."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "torch._dynamo":
+            return None
+        sys.meta_path.remove(self)
+        import importlib.util
+
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return None
+        exec_module = spec.loader.exec_module
+
+        def exec_then_register(module):
+            exec_module(module)
+            _register_with_dynamo()
+
+        spec.loader.exec_module = exec_then_register
+        return spec
+
+
+if "torch._dynamo" in sys.modules:
+    _register_with_dynamo()
+else:
+    sys.meta_path.insert(0, _OnDynamoImport())
+
+
 class _ToLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, dt: DTensor, grad_placements):
@@ -374,7 +423,7 @@ def distribute_tensor(
     spec = DTensorSpec(device_mesh, tuple(Replicate() for _ in placements), tuple(full.shape),
                        tuple(full.stride()) if full.is_contiguous() else _contiguous_stride(full.shape), full.dtype)
     local = redistribute_local(full.contiguous(), spec, placements)
-    if local.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
+    if torch._C._is_alias_of(local, tensor):  # storage identity: no data pointer, so it also traces
         local = local.clone()  # never alias the caller's tensor
     return DTensor(local, spec.with_placements(placements), requires_grad=requires_grad)
 

@@ -214,7 +214,8 @@ def _nll_parts(op, x, target, weight, ignore_index: int, check: bool):
     if target.dtype not in (torch.int64, torch.int32, torch.uint8, torch.int16, torch.int8):
         raise RuntimeError(f"{op}: expected target of an integer dtype (class indices), got {target.dtype}")
     valid = aten.ne.Scalar(target, ignore_index)
-    if check and target.numel():
+    # the bounds check reads values (.item()): not while torch.compile traces, where they are unknown
+    if check and target.numel() and not torch.compiler.is_compiling():
         safe = aten.where.self(valid, target, torch.zeros((), dtype=target.dtype))
         lo = aten._local_scalar_dense.default(aten.amin.default(safe))
         hi = aten._local_scalar_dense.default(aten.amax.default(safe))

@@ -114,9 +114,22 @@ _PAD_BWD = {
 
 
 def _no_fake():
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    """Index maps are metadata computed on real tensors: outside every dispatch mode (fake,
+    functionalization and proxy modes under ``torch.compile``), so they are neither faked nor traced."""
+    from torch.utils._python_dispatch import _disable_current_modes
 
-    return unset_fake_temporarily()
+    return _disable_current_modes()
+
+
+def _local_map(mp: "_Map", a: int, b: int, lo: int) -> tuple:
+    """``mp.local(a, b, lo)``: the index / weight tensors an op on the window reads.  Under
+    ``torch.compile`` they are rebuilt from their values inside the trace (graph constants): the
+    cached real tensors cannot mix with fake ones."""
+    if not torch.compiler.is_compiling():
+        return mp.local(a, b, lo)
+    with _no_fake():
+        values = [(t.tolist(), t.dtype) for t in mp.local(a, b, lo)]
+    return tuple(torch.tensor(v, dtype=dtype) for v, dtype in values)
 
 
 class _Map:
@@ -228,7 +241,7 @@ def _bview(w: torch.Tensor, ndim: int, d: int) -> torch.Tensor:
 
 
 def _apply(x: torch.Tensor, mp: _Map, d: int, a: int, b: int, lo: int) -> torch.Tensor:
-    loc = mp.local(a, b, lo)
+    loc = _local_map(mp, a, b, lo)
     if mp.gather:
         return x.index_select(d, loc[0])
     i0, i1, l0, l1 = loc
@@ -237,7 +250,7 @@ def _apply(x: torch.Tensor, mp: _Map, d: int, a: int, b: int, lo: int) -> torch.
 
 
 def _apply_transpose(g: torch.Tensor, mp: _Map, d: int, a: int, b: int, lo: int, length: int) -> torch.Tensor:
-    loc = mp.local(a, b, lo)
+    loc = _local_map(mp, a, b, lo)
     shape = list(g.shape)
     shape[d] = length
     if mp.gather:
@@ -286,6 +299,11 @@ class _Dim:
 def _dims(mesh, coord, spatial, first, in_shape, out_shape, map_of, local_ok=None, full=None) -> list[_Dim]:
     """The sharded spatial dims in mesh-dim order, with their plans (metadata only: every rank
     computes every rank's window, so the exchanges agree)."""
+    with _no_fake():
+        return _dims_impl(mesh, coord, spatial, first, in_shape, out_shape, map_of, local_ok, full)
+
+
+def _dims_impl(mesh, coord, spatial, first, in_shape, out_shape, map_of, local_ok, full) -> list[_Dim]:
     dims = []
     for i, d in spatial.items():
         j = d - first
@@ -589,3 +607,44 @@ def pad_backward_handler(op, args, kwargs):
             gw = halo.accumulate(gw, dm.plan, dm.d, mesh, dm.i)
     _check(op, gw, gin_spec, coord)
     return wrap(gw, gin_spec)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile: the interpolation ops must reach interp_handler under compile too
+# ---------------------------------------------------------------------------------------------
+
+
+def _run_cpp_kernels_for_dtensors(ops) -> None:
+    """Under ``torch.compile`` PyTorch's Python dispatcher runs the Python decompositions
+    registered for these ops at the ``Autograd`` and ``CompositeImplicitAutograd`` keys, which come
+    BEFORE a tensor subclass's ``__torch_dispatch__``; they index the input with plain
+    ``torch.arange`` tensors, which cannot mix with DTensors (``aten._unsafe_index`` got a plain
+    tensor).  In eager the C++ kernels run and the op reaches :func:`interp_handler`.  So for a
+    DTensor input the C++ kernels run under compile too; other inputs keep PyTorch's decomposition.
+    PyTorch's own DTensor met the same problem (pytorch/pytorch#175447)."""
+    from torch._C import DispatchKey
+    from torch._dispatch.python import no_python_dispatcher
+
+    for op in ops:
+        for key in (DispatchKey.Autograd, DispatchKey.CompositeImplicitAutograd):
+            decomposition = op.py_kernels.get(key)
+            if decomposition is None or getattr(decomposition, "_dtshard_cpp_for_dtensors", False):
+                continue
+
+            def kernel(*args, _op=op, _decomposition=decomposition, **kwargs):
+                from dtshard.tensor import DTensor
+
+                x = args[0] if args else kwargs.get("input", kwargs.get("self"))
+                if isinstance(x, DTensor):
+                    with no_python_dispatcher():
+                        return _op(*args, **kwargs)
+                return _decomposition(*args, **kwargs)
+
+            kernel._dtshard_cpp_for_dtensors = True
+            op.py_kernels[key] = kernel
+        op._dispatch_cache.clear()
+
+
+_run_cpp_kernels_for_dtensors(
+    [getattr(op.overloadpacket, overload) for op in _INTERP for overload in ("default", "vec")]
+)

@@ -227,3 +227,52 @@ def test_spatial_conv_compiles_with_the_halo_exchange_as_a_custom_op():
     assert ok
     assert "dtshard.halo_exchange" in graphs[0], graphs[0]
     assert "dtshard.halo_accumulate" in graphs[1] or "dtshard.halo_exchange" in graphs[1], graphs[1]
+
+
+def _resampling_ops():
+    """Interpolation and padding over H-sharded images compile fullgraph and match eager: under
+    compile PyTorch decomposes the upsample ops above __torch_dispatch__ unless dtshard routes
+    DTensors to the C++ kernels, and the gather maps must become graph constants
+    (dtshard/rules/upsample.py)."""
+    import torch._dynamo
+
+    import dtshard
+    from dtshard import Replicate, Shard
+    from dtshard.halo import mesh_id
+
+    mesh = dtshard.init_device_mesh("cpu", (2,))
+    mesh_id(mesh)
+    g = torch.Generator().manual_seed(0)
+    x, b = torch.randn(2, 3, 9, 6, generator=g), torch.randn(3, generator=g)
+    cases = {
+        "nearest x2": lambda t: F.interpolate(t, scale_factor=2, mode="nearest"),
+        "nearest to size": lambda t: F.interpolate(t, size=(13, 5), mode="nearest"),
+        "nearest-exact": lambda t: F.interpolate(t, size=(11, 7), mode="nearest-exact"),
+        "bilinear": lambda t: F.interpolate(t, size=(11, 9), mode="bilinear"),
+        "bilinear align_corners": lambda t: F.interpolate(t, scale_factor=1.5, mode="bilinear", align_corners=True),
+        "reflect pad": lambda t: F.pad(t, (1, 2, 2, 1), mode="reflect"),
+        "replicate pad": lambda t: F.pad(t, (1, 2, 3, 1), mode="replicate"),
+    }
+    bad = {}
+    for name, op in cases.items():
+        torch._dynamo.reset()
+
+        def f(t, bias):
+            return (op(t) * bias.view(1, 3, 1, 1)).square().mean()
+
+        xd = dtshard.distribute_tensor(x, mesh, [Shard(2)]).requires_grad_()
+        bd = dtshard.distribute_tensor(b, mesh, [Replicate()]).requires_grad_()
+        got = torch.compile(f, backend="aot_eager", fullgraph=True)(xd, bd)
+        got.backward()
+        xr, br = x.clone().requires_grad_(), b.clone().requires_grad_()
+        want = f(xr, br)
+        want.backward()
+        for what, a, r in (("out", got, want), ("grad x", xd.grad, xr.grad), ("grad bias", bd.grad, br.grad)):
+            if not torch.allclose(a.full_tensor(), r.detach(), rtol=1e-5, atol=1e-6):
+                bad[f"{name}: {what}"] = (a.full_tensor() - r).abs().max().item()
+    return bad
+
+
+def test_interpolation_and_padding_compile_on_spatial_shards():
+    for bad in run_distributed(_resampling_ops, 2, timeout=600):
+        assert bad == {}, bad
