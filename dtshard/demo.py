@@ -568,15 +568,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.model == "llama":
         return _main_llama(args)
 
-    from dtshard.demo import train_worker as worker  # by module name, so spawned ranks import it
+    cfg = Config()
+    return _launch_and_report(
+        "train_worker", (cfg, args.steps), args,
+        ok=lambda results: _all_ok(results[0]["ranks"]),
+        report_fn=lambda results, elapsed, world: report(cfg, args.steps, results[0]["ranks"], elapsed))
+
+
+def _launch_and_report(worker_name: str, worker_args: tuple, args, *, ok, report_fn) -> int:
+    """Run ``dtshard.demo.<worker_name>(*worker_args)`` on every rank (spawned, or this process
+    under torchrun), then print the report on rank 0; the exit code says whether every step
+    matched one process."""
+    import importlib
+
     from dtshard.testing import DistributedTestError, launch
 
-    cfg = Config()
+    # by module name (not this module's globals, which are __main__'s under `python -m`), so that
+    # spawned ranks can import the worker
+    worker = getattr(importlib.import_module("dtshard.demo"), worker_name)
+
     torchrun = _under_torchrun()
     world = int(os.environ["WORLD_SIZE"]) if torchrun else args.world_size
     start = time.perf_counter()
     try:
-        results = launch(worker, world, cfg, args.steps, timeout=300.0)
+        results = launch(worker, world, *worker_args, timeout=300.0)
     except DistributedTestError as e:
         print(f"FAILED: the demo raised on some rank:\n{e}", file=sys.stderr)
         return 1
@@ -587,52 +602,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FAILED: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     elapsed = time.perf_counter() - start
-    ranks = results[0]["ranks"]
     if torchrun and int(os.environ["RANK"]) != 0:
-        return 0 if _all_ok(ranks) else 1
-    return 0 if report(cfg, args.steps, ranks, elapsed) else 1
+        return 0 if ok(results) else 1
+    return 0 if report_fn(results, elapsed, world) else 1
 
 
 def _main_cnn(args) -> int:
-    from dtshard.demo import train_cnn_worker  # by module name, so spawned ranks import it
-    from dtshard.testing import DistributedTestError, launch
-
-    torchrun = _under_torchrun()
-    world = int(os.environ["WORLD_SIZE"]) if torchrun else args.world_size
-    start = time.perf_counter()
-    try:
-        results = launch(train_cnn_worker, world, args.steps, timeout=300.0)
-    except DistributedTestError as e:
-        print(f"FAILED: the demo raised on some rank:\n{e}", file=sys.stderr)
-        return 1
-    if torchrun and int(os.environ["RANK"]) != 0:
-        return 0
-    return 0 if report_cnn(args.steps, world, results, time.perf_counter() - start, 14) else 1
+    return _launch_and_report(
+        "train_cnn_worker", (args.steps,), args, ok=lambda results: True,
+        report_fn=lambda results, elapsed, world: report_cnn(args.steps, world, results, elapsed, 14))
 
 
 def _main_llama(args) -> int:
-    from dtshard.demo import train_llama_worker  # by module name, so spawned ranks import it
-    from dtshard.testing import DistributedTestError, launch
-
-    torchrun = _under_torchrun()
-    world = int(os.environ["WORLD_SIZE"]) if torchrun else args.world_size
-    start = time.perf_counter()
-    try:
-        results = launch(train_llama_worker, world, args.steps, timeout=300.0)
-    except DistributedTestError as e:
-        print(f"FAILED: the demo raised on some rank:\n{e}", file=sys.stderr)
-        return 1
-    except Exception as e:  # noqa: BLE001 - torchrun: this rank raised
-        import traceback
-
-        traceback.print_exc()
-        print(f"FAILED: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    elapsed = time.perf_counter() - start
-    ranks = results[0]["ranks"]
-    if torchrun and int(os.environ["RANK"]) != 0:
-        return 0 if all(_llama_step_ok([r["rows"][k] for r in ranks]) for k in range(args.steps)) else 1
-    return 0 if report_llama(args.steps, ranks, elapsed) else 1
+    return _launch_and_report(
+        "train_llama_worker", (args.steps,), args,
+        ok=lambda results: all(_llama_step_ok([r["rows"][k] for r in results[0]["ranks"]])
+                               for k in range(args.steps)),
+        report_fn=lambda results, elapsed, world: report_llama(args.steps, results[0]["ranks"], elapsed))
 
 
 def _all_ok(ranks: list[dict]) -> bool:

@@ -36,13 +36,17 @@ def einsum_strategies(equation: str, *, linear: bool = True) -> list:
     return strategies
 
 
-def broadcast_shape(*shapes) -> tuple[int, ...]:
+def broadcast_shape(*shapes, strict_for=None) -> tuple[int, ...]:
+    """The broadcast shape of ``shapes``.  With ``strict_for=op``, sizes that differ and are not 1
+    raise (naming the op), as the op itself would; otherwise the later size wins."""
     ndim = max((len(s) for s in shapes), default=0)
     out = [1] * ndim
     for s in shapes:
         for i, v in enumerate(s):
             j = ndim - len(s) + i
             if v != 1:
+                if strict_for is not None and out[j] != 1 and out[j] != v:
+                    raise RuntimeError(f"{strict_for}: the shapes {[tuple(x) for x in shapes]} do not broadcast")
                 out[j] = v
     return tuple(out)
 

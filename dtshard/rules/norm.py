@@ -17,7 +17,22 @@ from dtshard.spec import TensorMeta
 aten = torch.ops.aten
 
 
-@register_rule([aten._softmax.default, aten._log_softmax.default, aten._safe_softmax.default])
+def _softmax_meta(call: OpCall):
+    """_softmax / _log_softmax / _safe_softmax: the input's shape, contiguous, its dtype (declines
+    half_to_float or a dtype, 0-d and integer inputs, plain-tensor arguments)."""
+    x = call.arg(0, "self")
+    third = call.arg(2, "dtype" if call.op is aten._safe_softmax.default else "half_to_float")
+    if not isinstance(x, TensorMeta) or x.ndim == 0 or third:  # half_to_float, or a dtype
+        return None
+    dim = call.arg(1, "dim")
+    if type(dim) is not int or not -x.ndim <= dim < x.ndim:
+        return None  # the meta kernel does not check dim; the CPU kernel does: let them decide
+    if not (x.dtype.is_floating_point or x.dtype.is_complex):
+        return None  # integer inputs: let the kernel raise its own error
+    return [TensorMeta(x.shape, contiguous_strides(x.shape), x.dtype)]
+
+
+@register_rule([aten._softmax.default, aten._log_softmax.default, aten._safe_softmax.default], meta=_softmax_meta)
 def softmax_rule(call: OpCall):
     x = call.tensors[0]
     dim = norm_dim(call.arg(1, "dim"), x.ndim)

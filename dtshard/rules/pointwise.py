@@ -151,20 +151,6 @@ _EXTRA = [
 # Tagged pointwise but owned by another family (which also passes Partial through).
 _ELSEWHERE = {aten.clone.default, aten._to_copy.default, aten.copy.default, aten.fill.Scalar, aten.zero.default}
 
-def strict_broadcast(op, shapes) -> tuple[int, ...]:
-    """Broadcast shape of ``shapes``; sizes that differ and are not 1 raise, like the op."""
-    ndim = max((len(s) for s in shapes), default=0)
-    out = [1] * ndim
-    for s in shapes:
-        for i, v in enumerate(s):
-            j = ndim - len(s) + i
-            if v != 1:
-                if out[j] != 1 and out[j] != v:
-                    raise RuntimeError(f"{op}: the shapes {[tuple(x) for x in shapes]} do not broadcast")
-                out[j] = v
-    return tuple(out)
-
-
 def _tiny(a):
     """A 1-element CPU tensor standing in for a tensor argument (dtype promotion only looks at
     dtypes and at whether a tensor is 0-d)."""
@@ -189,7 +175,7 @@ def pointwise_meta(call: OpCall):
     (what the kernel gives for contiguous inputs); the dtypes come from running the op on
     1-element CPU tensors of the operands' dtypes (type promotion is the same on every device).
     Declines (None: use the meta kernel) where that run fails, e.g. an op that rejects a dtype."""
-    shape = strict_broadcast(call.op, [t.shape for t in call.tensors])
+    shape = broadcast_shape(*(t.shape for t in call.tensors), strict_for=call.op)
     try:
         out = call.op(*(_tiny(a) for a in call.args), **{k: _tiny(v) for k, v in call.kwargs.items()})
     except Exception:  # noqa: BLE001 - the meta kernel gives the real error

@@ -14,7 +14,8 @@ import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from dtshard.registry import OpCall, register_handler, register_rule
-from dtshard.rules._common import LINEAR_REDUCE_OPS, norm_dim, norm_dims
+from dtshard.rules._common import LINEAR_REDUCE_OPS, contiguous_strides, norm_dim, norm_dims
+from dtshard.spec import TensorMeta
 
 aten = torch.ops.aten
 
@@ -37,13 +38,45 @@ def reduction_strategies(x, dims, keepdim: bool, partial_op: str | None, linear:
     return strategies
 
 
-@register_rule(aten.sum.default)
+def _sum_dtype(x: TensorMeta, dtype):
+    if dtype is not None:
+        return dtype
+    return torch.int64 if (x.dtype == torch.bool or not (x.dtype.is_floating_point or x.dtype.is_complex)) else x.dtype
+
+
+def _sum_meta(call: OpCall):
+    """sum / sum.dim_IntList without a meta-kernel run: the reduced shape (dims dropped or kept as
+    1), contiguous, int64 for bool/integer inputs unless ``dtype`` says otherwise.  Declines 0-d
+    inputs (their dim rules are special) and plain-tensor arguments."""
+    x = call.arg(0, "self")
+    if not isinstance(x, TensorMeta) or x.ndim == 0:
+        return None
+    if call.op is aten.sum.default:
+        dims, keepdim, dtype = None, False, call.arg(1, "dtype")
+    else:
+        dims, keepdim, dtype = call.arg(1, "dim"), bool(call.arg(2, "keepdim", False)), call.arg(3, "dtype")
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        reduced = set(range(x.ndim))
+    else:
+        reduced = set()
+        for d in (dims if isinstance(dims, (list, tuple)) else [dims]):
+            if type(d) is not int or not -x.ndim <= d < x.ndim:
+                raise IndexError(f"{call.op}: dim {d!r} out of range for a {x.ndim}-D tensor")
+            if d % x.ndim in reduced:
+                raise RuntimeError(f"{call.op}: dim {d % x.ndim} appears multiple times in the list of dims")
+            reduced.add(d % x.ndim)
+    shape = tuple((1 if keepdim else None) if k in reduced else n for k, n in enumerate(x.shape))
+    shape = tuple(n for n in shape if n is not None)
+    return [TensorMeta(shape, contiguous_strides(shape), _sum_dtype(x, dtype))]
+
+
+@register_rule(aten.sum.default, meta=_sum_meta)
 def sum_rule(call: OpCall):
     x = call.tensors[0]
     return reduction_strategies(x, list(range(x.ndim)), False, "sum", linear=True)
 
 
-@register_rule(aten.sum.dim_IntList)
+@register_rule(aten.sum.dim_IntList, meta=_sum_meta)
 def sum_dim_rule(call: OpCall):
     x = call.tensors[0]
     dims = norm_dims(call.arg(1, "dim"), x.ndim)

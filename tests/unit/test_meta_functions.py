@@ -57,6 +57,16 @@ CASES = [
     (aten.native_layer_norm.default, (_Slot(0), [8], _Slot(1), _Slot(2), 1e-5), [(2, 3, 8), (8,), (8,)], [f32] * 3),
     (aten.native_layer_norm.default, (_Slot(0), [3, 8], None, None, 1e-5), [(2, 3, 8)], [bf16]),
     (aten.native_layer_norm.default, (_Slot(0), [8], None, None, 1e-5), [(0, 8)], [f64]),
+    (aten.sum.default, (_Slot(0),), [(3, 4)], [i32]),
+    (aten.sum.default, (_Slot(0),), [(3, 4)], [b]),
+    (aten.sum.dim_IntList, (_Slot(0), [1], True), [(3, 4, 5)], [f32]),
+    (aten.sum.dim_IntList, (_Slot(0), [0, -1]), [(3, 4, 5)], [bf16]),
+    (aten.sum.dim_IntList, (_Slot(0), []), [(3, 4)], [f32]),
+    (aten.sum.dim_IntList, (_Slot(0), None, True), [(3, 0, 2)], [i64]),
+    (aten._softmax.default, (_Slot(0), -1, False), [(3, 4)], [f32]),
+    (aten._log_softmax.default, (_Slot(0), 0, False), [(3, 4, 2)], [bf16]),
+    (aten._safe_softmax.default, (_Slot(0), 1), [(3, 4)], [f32]),
+    (aten._safe_softmax.default, (_Slot(0), 1, torch.float64), [(3, 4)], [f32]),
 ]
 
 REJECTED = [
@@ -67,6 +77,8 @@ REJECTED = [
     (aten.addmm.default, (_Slot(0), _Slot(1), _Slot(2)), [(2,), (4, 5), (5, 3)], [f32, f32, f32]),
     (aten.native_layer_norm.default, (_Slot(0), [4], None, None, 1e-5), [(2, 3, 8)], [f32]),
     (aten.native_layer_norm.default, (_Slot(0), [8], _Slot(1), None, 1e-5), [(2, 8), (4,)], [f32, f32]),
+    (aten.sum.dim_IntList, (_Slot(0), [2]), [(3, 4)], [f32]),
+    (aten.sum.dim_IntList, (_Slot(0), [1, -1]), [(3, 4)], [f32]),
 ]
 
 
