@@ -324,7 +324,25 @@ def _from_local_in_graph(local, mesh, placements, shape, stride, grad_placements
 
 
 def _register_with_dynamo() -> None:
+    """What torch.compile needs from dtshard, set up once ``torch._dynamo`` is imported:
+
+    - ``from_local`` with grad is one graph node (see :func:`_from_local_in_graph`);
+    - the dispatcher's frames are never compiled by Dynamo: when a compiled function breaks its
+      graph (``torch.optim`` does on purpose), the rest runs eagerly and DTensor ops re-enter
+      ``__torch_dispatch__``, which Dynamo would otherwise try to trace and recompile for every
+      op until its recompile limit (PyTorch's DTensor wraps its dispatch in
+      ``torch._disable_dynamo``; ``skip_code`` does the same without a wrapper on the eager path);
+    - rules for the prims Dynamo rewrites ops into (``prims.fma``).
+    """
+    from torch._dynamo.eval_frame import skip_code
+
+    from dtshard import dispatch as _dispatch
+    from dtshard.rules.pointwise import register_compile_prims
+
     torch.compiler.allow_in_graph(_from_local_in_graph)
+    for fn in (DTensor.__torch_dispatch__, _dispatch.dispatch, _dispatch._dispatch_general):
+        skip_code(getattr(fn, "__func__", fn).__code__)
+    register_compile_prims()
 
 
 class _OnDynamoImport:

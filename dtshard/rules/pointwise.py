@@ -189,6 +189,19 @@ _POINTWISE = sorted({*_pointwise_ops(), *_EXTRA} - _ELSEWHERE, key=str)
 register_rule(_POINTWISE, meta=pointwise_meta)(pointwise_rule)
 
 
+def register_compile_prims() -> None:
+    """Rules for the pointwise prims that only exist once ``torch._inductor.inductor_prims`` is
+    imported, which Dynamo uses to rewrite ops (``prims.fma``: ``a * b + c``, from ``lerp`` and
+    ``add(alpha=)`` in compiled optimizers).  Called when ``torch._dynamo`` is imported."""
+    import torch._inductor.inductor_prims  # noqa: F401  (defines torch.ops.prims.fma)
+
+    from dtshard.registry import get_entry
+
+    fma = torch.ops.prims.fma.default
+    if get_entry(fma) is None:
+        register_rule(fma, meta=pointwise_meta)(pointwise_rule)
+
+
 @register_rule(aten._prelu_kernel.default)
 def prelu_rule(call: OpCall):
     # prelu(x, weight): weight is per channel (dim 1) or a single value
