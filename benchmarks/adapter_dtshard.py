@@ -13,32 +13,13 @@ training step does the same work on both implementations.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 
 NAME = "dtshard"
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _import_this_checkout():
-    """Import dtshard from this repository (works from a fresh clone without ``pip install``:
-    ``kernels/`` is registered under its installed name ``dtshard_kernels``)."""
-    if _ROOT not in sys.path:
-        sys.path.insert(0, _ROOT)
-    kdir = os.path.join(_ROOT, "kernels")
-    if "dtshard_kernels" not in sys.modules and os.path.isfile(os.path.join(kdir, "__init__.py")):
-        # this checkout's kernels/, even when another checkout is pip-installed (editable)
-        spec = importlib.util.spec_from_file_location(
-            "dtshard_kernels", os.path.join(kdir, "__init__.py"), submodule_search_locations=[kdir])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["dtshard_kernels"] = mod
-        spec.loader.exec_module(mod)
-    import dtshard
-
-    return dtshard
-
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _checkout import ROOT as _ROOT, import_this_checkout as _import_this_checkout  # noqa: E402
 
 dtshard = _import_this_checkout()
 

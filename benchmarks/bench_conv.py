@@ -55,7 +55,6 @@ import torch.nn.functional as F
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
-_KERNELS = os.path.join(_ROOT, "kernels")
 
 WORLD = 2
 DEFAULT_VARIANTS = "dtshard:S2,dtshard:S3,dtshard:S0,torch:S0,torch:S3,torch:S2"
@@ -68,19 +67,9 @@ def _free_port() -> int:
 
 
 def _import_dtshard():
-    try:
-        import dtshard_kernels  # noqa: F401
-    except ImportError:  # not installed: this checkout's kernels/ as dtshard_kernels
-        import importlib.util
+    from _checkout import import_this_checkout
 
-        spec = importlib.util.spec_from_file_location("dtshard_kernels", os.path.join(_KERNELS, "__init__.py"),
-                                                      submodule_search_locations=[_KERNELS])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["dtshard_kernels"] = mod
-        spec.loader.exec_module(mod)
-    import dtshard
-
-    return dtshard
+    return import_this_checkout()
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

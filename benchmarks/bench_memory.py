@@ -115,7 +115,6 @@ from datetime import timedelta
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
-_KERNELS = os.path.join(_ROOT, "kernels")
 
 MMAP_THRESHOLD = "65536"
 MiB = 1 << 20
@@ -127,19 +126,10 @@ import torch.nn.functional as F  # noqa: E402
 
 
 def _import_dtshard():
-    """This checkout's dtshard, with kernels/ registered as ``dtshard_kernels`` when not installed
-    (as benchmarks/adapter_dtshard.py does)."""
-    import importlib.util
+    """This checkout's dtshard (benchmarks/_checkout.py)."""
+    from _checkout import import_this_checkout
 
-    if "dtshard_kernels" not in sys.modules and os.path.isfile(os.path.join(_KERNELS, "__init__.py")):
-        spec = importlib.util.spec_from_file_location("dtshard_kernels", os.path.join(_KERNELS, "__init__.py"),
-                                                      submodule_search_locations=[_KERNELS])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["dtshard_kernels"] = mod
-        spec.loader.exec_module(mod)
-    import dtshard
-
-    return dtshard
+    return import_this_checkout()
 
 
 def _free_port() -> int:
