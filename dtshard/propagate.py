@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
-from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from dtshard import redistribute as R
 from dtshard.registry import OpCall, RuleEntry, get_entry
 from dtshard.spec import (DTensorSpec, TensorMeta, contiguous_strides, local_shape_and_offset, mesh_identity,
-                          placement_equal, placements_equal, placements_str)
+                          placements_equal, placements_str)
 
 __all__ = ["Plan", "propagate", "NoRuleError", "RuleError", "config"]
 

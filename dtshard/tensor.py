@@ -19,7 +19,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from dtshard import collectives as C
 from dtshard.dispatch import bind_tensor_class, dispatch
 from dtshard.redistribute import redistribute_local
-from dtshard.spec import DTensorSpec, local_shape_and_offset, mesh_identity, normalize_placements, placements_str
+from dtshard.spec import DTensorSpec, mesh_identity, normalize_placements, placements_str
 
 __all__ = ["DTensor", "distribute_tensor", "distribute_module"]
 

@@ -41,7 +41,7 @@ def softmax_rule(call: OpCall):
 
 @register_rule([aten._softmax_backward_data.default, aten._log_softmax_backward_data.default])
 def softmax_backward_rule(call: OpCall):
-    grad, out = call.tensors[0], call.tensors[1]
+    out = call.tensors[1]
     dim = norm_dim(call.arg(2, "dim"), out.ndim)
     strategies = [((Shard(d),), (Shard(d), Shard(d))) for d in range(out.ndim) if d != dim]
     for op in LINEAR_REDUCE_OPS:  # linear in the incoming gradient
