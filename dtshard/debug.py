@@ -161,9 +161,12 @@ def explain(fn, *args, **kwargs) -> str:
     bytes, and the alternatives considered (cheapest first)."""
     seen: list[str] = []
 
+    from dtshard.propagate import placements_text
+
     def observe(op_name, plan, specs):
         text = plan.describe(specs)
-        alts = [f"    {'ok ' if ok else 'bad'} {cost:.0f}B  {desc}" for cost, desc, ok in plan.considered]
+        alts = [f"    {'ok ' if ok else 'bad'} {cost:.0f}B  {placements_text(*choice)}"
+                for cost, choice, ok in plan.considered]
         seen.append(text + ("\n  considered:\n" + "\n".join(alts) if alts else ""))
 
     _trace.plan_observers.append(observe)

@@ -65,7 +65,7 @@ class Plan:
     shape_overrides: tuple  # ((arg index, local shape), ...) for shape_args
     mode: str  # "functional" | "inplace" | "out"
     cost: float
-    considered: tuple = ()  # [(cost, text)] of the choices looked at, for explain()
+    considered: tuple = ()  # [(cost, (input placements, output placements), ok)] looked at, for explain()
     fallback: bool = False
     local_op: Any = None  # what runs on the local shards (the op itself unless the rule says)
 
@@ -376,7 +376,7 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
         )
         in_specs = [s.with_placements(t) for s, t in zip(specs, ins)]
         ok = _check_local(op, meta_args, meta_kwargs, in_specs, out_specs, mesh_shape, shape_args, shapes_fn)
-        considered.append((cost, placements_text(ins, outs), ok))
+        considered.append((cost, (ins, outs), ok))  # formatted only when explain() shows it
         if ok:
             from dtshard.collectives import mesh_coordinate  # coordinate of this rank (cached)
 
