@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor.placement_types import Partial, Shard
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_mode
 
 from dtshard.registry import OpCall, register_rule
 from dtshard.spec import TensorMeta
@@ -177,7 +179,11 @@ def pointwise_meta(call: OpCall):
     Declines (None: use the meta kernel) where that run fails, e.g. an op that rejects a dtype."""
     shape = broadcast_shape(*(t.shape for t in call.tensors), strict_for=call.op)
     try:
-        out = call.op(*(_tiny(a) for a in call.args), **{k: _tiny(v) for k, v in call.kwargs.items()})
+        if _current_mode() is None:
+            out = call.op(*(_tiny(a) for a in call.args), **{k: _tiny(v) for k, v in call.kwargs.items()})
+        else:  # outside the caller's dispatch modes (fake/proxy under compile, user modes): not traced
+            with _disable_current_modes():
+                out = call.op(*(_tiny(a) for a in call.args), **{k: _tiny(v) for k, v in call.kwargs.items()})
     except Exception:  # noqa: BLE001 - the meta kernel gives the real error
         return None
     outs = out if isinstance(out, (list, tuple)) else (out,)
