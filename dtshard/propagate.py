@@ -42,6 +42,9 @@ class config:
     fallback_to_replicate: bool = False
     #: Check each new plan against the op's meta kernel on every distinct local shape.
     check_plans: bool = True
+    #: Reduce a leaf DTensor's Partial gradient once, right after autograd accumulates it, to the
+    #: leaf's placements (dtshard.tensor._settle_grads_of), instead of in every optimizer op.
+    settle_partial_grads: bool = True
     #: Debug/test switch: also run the meta kernel where a rule's ``meta`` function stands in for
     #: it, and raise RuleError when the two disagree (the OpInfo sweep turns this on).
     verify_meta: bool = False

@@ -32,6 +32,40 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+def _settle_grads_of(leaf: "DTensor") -> None:
+    """Reduce a Partial gradient of ``leaf`` once, when autograd has accumulated it, to the leaf's
+    own placements on those mesh dims (Replicate: all_reduce; Shard: reduce_scatter).
+
+    The gradient of a replicated weight is naturally a Partial sum (each rank saw its part of the
+    batch); left Partial, every optimizer op that reads it (momentum, Adam's moments, the update)
+    would reduce it again.  Like DDP's bucketed all_reduce, this reduces each gradient once per
+    backward.  Off: ``dtshard.propagate.config.settle_partial_grads = False``."""
+    if getattr(leaf, "_dtshard_settles_grads", False) or torch.compiler.is_compiling():
+        return
+    leaf.register_post_accumulate_grad_hook(_settle_grad)
+    leaf._dtshard_settles_grads = True
+
+
+def _settle_grad(param: "DTensor") -> None:
+    from dtshard.propagate import config
+
+    grad = param.grad
+    if not config.settle_partial_grads or not isinstance(grad, DTensor) or not isinstance(param, DTensor):
+        return
+    gp, pp = grad._spec.placements, param._spec.placements
+    if not any(isinstance(p, Partial) for p in gp) or len(gp) != len(pp):
+        return
+    target = [
+        (Replicate() if isinstance(q, Partial) else q) if isinstance(p, Partial) else p
+        for p, q in zip(gp, pp)
+    ]
+    with torch.no_grad():
+        try:
+            param.grad = grad.redistribute(grad.device_mesh, target)
+        except ValueError:  # no legal path to that layout: the gradient stays as it is (correct)
+            pass
+
+
 def _grad_placements(ps: Sequence[Placement]) -> tuple[Placement, ...]:
     """Placements a gradient flowing back to a tensor with placements ``ps`` should take: the
     gradient of every partial term is the whole gradient, so Partial becomes Replicate."""
@@ -59,7 +93,18 @@ class DTensor(torch.Tensor):
         )
         r._local_tensor = local_tensor
         r._spec = spec
+        if requires_grad:  # a new leaf (distribute_tensor(..., requires_grad=True), ...)
+            _settle_grads_of(r)
         return r
+
+    def requires_grad_(self, requires_grad: bool = True) -> "DTensor":
+        """As ``torch.Tensor.requires_grad_``; a leaf DTensor that starts requiring grad (e.g. the
+        tensor ``nn.Parameter(dtensor)`` builds) gets its gradients settled once (see
+        :func:`_settle_grads_of`)."""
+        super().requires_grad_(requires_grad)
+        if requires_grad and self.is_leaf:
+            _settle_grads_of(self)
+        return self
 
     def __repr__(self) -> str:  # never gathers
         return (

@@ -538,3 +538,51 @@ def test_plan_paths_warnings_and_errors():
         assert any("'nothere' could not be resolved" in x for x in msgs)
         assert "dtshard.parallel" in err
         assert "only support nn.Linear and nn.Embedding" in err2
+
+
+# ---------------------------------------------------------------------------------------------
+# Partial gradients of leaf DTensors are reduced once, after accumulation
+# ---------------------------------------------------------------------------------------------
+
+
+def _settled_grads(settle: bool):
+    from dtshard.propagate import config
+
+    old = config.settle_partial_grads
+    config.settle_partial_grads = settle
+    try:
+        m = mesh((torch.distributed.get_world_size(),))
+        torch.manual_seed(0)
+        full_w, full_v, full_x = torch.randn(6, 4), torch.randn(4, 5), torch.randn(8, 6)
+        # w replicated, v column-sharded; x batch-sharded: both gradients come out Partial(sum)
+        w = nn.Parameter(dtshard.distribute_tensor(full_w, m, [Replicate()]))
+        v = nn.Parameter(dtshard.distribute_tensor(full_v, m, [Shard(1)]))
+        x = dtshard.distribute_tensor(full_x, m, [Shard(0)])
+        opt = torch.optim.SGD([w, v], lr=0.1, momentum=0.9)
+        for _ in range(2):  # the second backward accumulates into existing gradients
+            ((x @ w) @ v.redistribute(m, [Replicate()])).sum().backward()
+        with CommCounter() as cc:
+            opt.step()
+        ref_w = full_w.clone().requires_grad_()
+        ref_v = full_v.clone().requires_grad_()
+        for _ in range(2):
+            ((full_x @ ref_w) @ ref_v).sum().backward()
+        return {
+            "w_grad": tuple(w.grad.placements), "v_grad": tuple(v.grad.placements),
+            "w_ok": torch.allclose(w.grad.full_tensor(), ref_w.grad, atol=1e-5),
+            "v_ok": torch.allclose(v.grad.full_tensor(), ref_v.grad, atol=1e-5),
+            "optimizer_collectives": len(cc.kinds()),
+        }
+    finally:
+        config.settle_partial_grads = old
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_partial_gradients_are_reduced_once_after_accumulation(world):
+    for r in run_distributed(_settled_grads, world, True):
+        assert r["w_grad"] == (Replicate(),) and r["v_grad"] == (Shard(1),), r
+        assert r["w_ok"] and r["v_ok"], r
+        assert r["optimizer_collectives"] == 0, r  # the optimizer reads settled gradients
+    for r in run_distributed(_settled_grads, world, False):  # switched off: Partial stays
+        assert r["w_ok"] and r["v_ok"], r
+        assert r["optimizer_collectives"] > 0, r
