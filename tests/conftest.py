@@ -1,14 +1,20 @@
 """Suite-wide pytest configuration.
 
-The only thing here is the shutdown of the distributed worker pools of
-:mod:`dtshard.testing.harness` at the end of the session (they are also shut
-down at interpreter exit, but doing it here keeps the teardown inside pytest's
-timing and output).
+Two things: ``TRITON_INTERPRET=1`` before anything imports triton, and the
+shutdown of the distributed worker pools of :mod:`dtshard.testing.harness` at
+the end of the session (they are also shut down at interpreter exit, but doing
+it here keeps the teardown inside pytest's timing and output).
 """
 
+import os
 import sys
 
-import pytest
+# Triton's interpreter must be chosen before anything imports triton: the kernel tests run the
+# Triton kernels on CPU (tests/kernels/test_triton_interpret.py); dtshard's own CPU paths use the
+# PyTorch reference kernels whatever this says.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)

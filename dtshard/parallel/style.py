@@ -92,6 +92,17 @@ class ParallelStyle(ABC):
                 f"use_local_output={getattr(self, 'use_local_output', None)})")
 
     @staticmethod
+    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+        """Annotate a plain input as a DTensor with ``input_layouts`` and move it to
+        ``desired_input_layouts`` (Colwise/Rowwise: the module's first input)."""
+        input_tensor = _as_dtshard(inputs[0])
+        if not isinstance(input_tensor, DTensor):
+            input_tensor = DTensor.from_local(input_tensor, device_mesh, input_layouts, run_check=False)
+        if input_layouts != desired_input_layouts:
+            input_tensor = input_tensor.redistribute(placements=desired_input_layouts, async_op=True)
+        return input_tensor
+
+    @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
         """Move the module's output to ``output_layouts`` (a Partial output: to Replicate is an
         all_reduce, to Shard a reduce_scatter); hand back the local tensor if asked."""
@@ -127,15 +138,6 @@ class ColwiseParallel(ParallelStyle):
         # colwise linear: replicated input, output sharded on the last dim
         self.desired_input_layouts = (Replicate(),)
         self.use_local_output = use_local_output
-
-    @staticmethod
-    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
-        input_tensor = _as_dtshard(inputs[0])
-        if not isinstance(input_tensor, DTensor):
-            input_tensor = DTensor.from_local(input_tensor, device_mesh, input_layouts, run_check=False)
-        if input_layouts != desired_input_layouts:
-            input_tensor = input_tensor.redistribute(placements=desired_input_layouts, async_op=True)
-        return input_tensor
 
     def _partition_linear_fn(self, name, module, device_mesh):
         # weight (out, in) and bias (out,) Shard(0): y = x W^T + b is sharded on its last dim
@@ -176,15 +178,6 @@ class RowwiseParallel(ParallelStyle):
         self.input_layouts = (input_layouts or Shard(-1),)
         self.output_layouts = (output_layouts or Replicate(),)
         self.use_local_output = use_local_output
-
-    @staticmethod
-    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
-        input_tensor = _as_dtshard(inputs[0])
-        if not isinstance(input_tensor, DTensor):
-            input_tensor = DTensor.from_local(input_tensor, device_mesh, input_layouts, run_check=False)
-        if input_layouts != desired_input_layouts:
-            input_tensor = input_tensor.redistribute(placements=desired_input_layouts, async_op=True)
-        return input_tensor
 
     def _partition_linear_fn(self, name, module, device_mesh):
         # weight (out, in) Shard(1): x (sharded on in) @ W^T is a Partial(sum); the bias is replicated

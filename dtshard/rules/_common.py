@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import torch
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from dtshard.spec import TensorMeta, contiguous_strides  # noqa: F401  (re-exported for rules)
 
 R = Replicate()
 LINEAR_REDUCE_OPS = ("sum", "avg")
+
+
+def aten_ops(names) -> list:
+    """The aten overloads named ``"packet.overload"`` (``"packet"`` for ``.default``), skipping
+    names this torch build does not have."""
+    aten = torch.ops.aten
+    out = []
+    for n in names:
+        packet, _, overload = n.partition(".")
+        op = getattr(getattr(aten, packet, None), overload or "default", None)
+        if op is not None:
+            out.append(op)
+    return out
 
 
 def einsum_strategies(equation: str, *, linear: bool = True) -> list:

@@ -21,19 +21,9 @@ import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from dtshard.registry import OpCall, register_handler, register_rule
-from dtshard.rules._common import norm_dim
+from dtshard.rules._common import aten_ops, norm_dim
 
 aten = torch.ops.aten
-
-
-def _ops(names) -> list:
-    out = []
-    for n in names:
-        packet, _, overload = n.partition(".")
-        op = getattr(getattr(aten, packet, None), overload or "default", None)
-        if op is not None:
-            out.append(op)
-    return out
 
 
 # (op name, number of trailing "matrix" dims of the FIRST input)
@@ -70,7 +60,7 @@ def _batched_rule(mat_dims: int):
 
 
 for _name, _k in _BATCHED:
-    for _op in _ops([_name]):
+    for _op in aten_ops([_name]):
         register_rule(_op)(_batched_rule(_k))
 
 
@@ -101,7 +91,7 @@ def diag_embed_rule(call: OpCall):
 # data-dependent output shapes: replicate, run whole, return replicated results
 # ---------------------------------------------------------------------------------------------
 
-_DATA_DEPENDENT = _ops([
+_DATA_DEPENDENT = aten_ops([
     "nonzero", "nonzero_static", "masked_select", "_unique2", "unique_dim", "unique_consecutive",
     "_unique", "masked_scatter", "argwhere", "histogram.bin_ct", "histogram.bins_tensor",
     "_histogramdd_bin_edges", "_histogramdd_from_bin_cts", "_histogramdd_from_bin_tensors", "bincount",
@@ -148,7 +138,7 @@ def replicate_handler(op, args, kwargs):
 # explicit replicate-only rules (correct whole-tensor fallbacks)
 # ---------------------------------------------------------------------------------------------
 
-_REPLICATE_ONLY = _ops([
+_REPLICATE_ONLY = aten_ops([
     "linalg_pinv.atol_rtol_tensor", "linalg_matrix_power", "linalg_vander", "linalg_tensorinv",
     "block_diag", "cross", "kron", "trace", "_fft_c2c", "_fft_r2c", "_fft_c2r", "im2col", "col2im",
     "diagonal_scatter", "as_strided", "as_strided_scatter", "as_strided_copy", "_trilinear",

@@ -30,27 +30,18 @@ import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate
 
 from dtshard.registry import register_handler
+from dtshard.rules._common import aten_ops
 
 aten = torch.ops.aten
 
 
-def _ops(names) -> list:
-    out = []
-    for n in names:
-        packet, _, overload = n.partition(".")
-        op = getattr(getattr(aten, packet, None), overload or "default", None)
-        if op is not None:
-            out.append(op)
-    return out
-
-
 # in-place fills whose values do not depend on self: only self's metadata is needed
-_VALUE_FREE = _ops([
+_VALUE_FREE = aten_ops([
     "bernoulli_.float", "uniform_", "normal_", "exponential_", "cauchy_", "log_normal_", "geometric_",
     "random_", "random_.from", "random_.to",
 ])
 # everything else: replicate the tensor inputs, run on the full tensors, keep the slice
-_VALUE_DEPENDENT = _ops([
+_VALUE_DEPENDENT = aten_ops([
     "bernoulli", "bernoulli.p", "bernoulli.Tensor", "bernoulli_.Tensor", "native_dropout",
     "uniform", "normal.Tensor_Tensor", "normal.Tensor_float", "normal.float_Tensor", "normal_functional",
     "cauchy", "exponential", "geometric", "log_normal", "random", "random.from", "random.to",

@@ -28,11 +28,11 @@ from dtshard_kernels import reference as R  # noqa: E402
 from dtshard_kernels.triton import copy_kernels as CK  # noqa: E402
 from dtshard_kernels.triton import ops as KO  # noqa: E402
 
-if not KT.INTERPRETED:  # pragma: no cover
-    pytest.skip("dtshard_kernels.triton was imported (by an earlier test module) before this module "
-                "set TRITON_INTERPRET=1, so its kernels cannot run on CPU in this process; run "
-                "`TRITON_INTERPRET=1 pytest tests/kernels`",
-                allow_module_level=True)
+if not KT.INTERPRETED:  # pragma: no cover - tests/conftest.py sets TRITON_INTERPRET=1 first
+    raise RuntimeError(
+        "dtshard_kernels.triton was imported before TRITON_INTERPRET=1 was set, so its kernels "
+        "cannot run on CPU in this process (tests/conftest.py sets it; something imported triton "
+        "earlier): run `TRITON_INTERPRET=1 pytest tests/kernels`")
 
 # Without a GPU driver, torch's mutation analysis of triton kernels (which compiles them to TTIR)
 # fails and logs a long warning before falling back to "every tensor argument is mutated" (so on
