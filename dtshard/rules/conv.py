@@ -243,15 +243,22 @@ def placements_for(modes, column: str) -> tuple[Placement, ...]:
     return tuple(out)
 
 
-def _conv_plans(modes, x_shape, out_shape, coord, mesh_shape, k_sizes, stride, dilation, padding):
-    """``[(mesh dim, tensor dim, WindowPlan)]`` of the spatial modes, in mesh-dim order."""
+def _conv_plans(modes, x_shape, out_shape, coord, mesh_shape, k_sizes, stride, dilation, padding,
+                transposed: bool = False):
+    """``[(mesh dim, tensor dim, WindowPlan)]`` of the spatial modes, in mesh-dim order; for a
+    transposed convolution each rank's input range comes from :func:`_tconv_window`."""
     plans = []
     for i, (mode, d) in enumerate(modes):
         if mode != "spatial":
             continue
         j = d - 2
         k_eff = dilation[j] * (k_sizes[j] - 1) + 1
-        plan = halo.window_plan(x_shape[d], out_shape[d], mesh_shape[i], coord[i], stride[j], k_eff, padding[j])
+        n = mesh_shape[i]
+        if transposed:
+            wins = tuple(_tconv_window(x_shape[d], out_shape[d], n, r, stride[j], k_eff, padding[j]) for r in range(n))
+            plan = halo.range_plan(x_shape[d], out_shape[d], n, coord[i], wins)
+        else:
+            plan = halo.window_plan(x_shape[d], out_shape[d], n, coord[i], stride[j], k_eff, padding[j])
         plans.append((i, d, plan))
     return plans
 
@@ -266,20 +273,6 @@ def _tconv_window(n_in: int, m_out: int, n: int, r: int, s: int, k_eff: int, p: 
     lo = max(0, -((-(a + p - (k_eff - 1))) // s))
     hi = min(n_in, (a + length - 1 + p) // s + 1)
     return (lo, hi) if hi > lo else (0, 0)
-
-
-def _tconv_plans(modes, x_shape, out_shape, coord, mesh_shape, k_sizes, stride, dilation, padding):
-    """``[(mesh dim, tensor dim, WindowPlan)]`` of the spatial modes of a TRANSPOSED convolution."""
-    plans = []
-    for i, (mode, d) in enumerate(modes):
-        if mode != "spatial":
-            continue
-        j = d - 2
-        k_eff = dilation[j] * (k_sizes[j] - 1) + 1
-        n = mesh_shape[i]
-        wins = tuple(_tconv_window(x_shape[d], out_shape[d], n, r, stride[j], k_eff, padding[j]) for r in range(n))
-        plans.append((i, d, halo.range_plan(x_shape[d], out_shape[d], n, coord[i], wins)))
-    return plans
 
 
 def _tconv_fit(plans, k_sizes, stride, dilation, padding, ndim: int) -> list[int]:
@@ -331,8 +324,8 @@ def convolution_handler(op, args, kwargs):
         xl = to_local(x, placements_for(modes, "x"))
         wl = to_local(w, placements_for(modes, "w"))
         bl = to_local(bias, placements_for(modes, "bias")) if bias is not None else None
-        make_plans = _tconv_plans if transposed else _conv_plans
-        plans = make_plans(modes, x.shape, gout.shape, coord, mesh.shape, list(w.shape[2:]), stride, dilation, padding)
+        plans = _conv_plans(modes, x.shape, gout.shape, coord, mesh.shape, list(w.shape[2:]), stride, dilation,
+                            padding, transposed)
         local_padding, local_output_padding = list(padding), list(output_padding)
         for i, d, plan in plans:
             xl = halo.exchange(xl, plan, d, mesh, i)
@@ -400,8 +393,8 @@ def convolution_backward_handler(op, args, kwargs):
         gl = to_local(g, placements_for(modes, "g_out"))  # a Partial output takes a Replicate gradient
         wl = to_local(w, placements_for(modes, "w"))
         x_target = placements_for(modes, "x")
-        make_plans = _tconv_plans if transposed else _conv_plans
-        plans = make_plans(modes, x.shape, g.shape, coord, mesh.shape, list(w.shape[2:]), stride, dilation, padding)
+        plans = _conv_plans(modes, x.shape, g.shape, coord, mesh.shape, list(w.shape[2:]), stride, dilation,
+                            padding, transposed)
         local_padding, local_output_padding = list(padding), list(output_padding)
         for _, d, _ in plans:
             local_padding[d - 2] = local_output_padding[d - 2] = 0

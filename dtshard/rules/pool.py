@@ -95,6 +95,15 @@ def _plans(spatial, x_shape, out_shape, mesh, coord, first, kernel, stride, padd
     return plans
 
 
+def _local_padding(padding, plans, first: int) -> list[int]:
+    """The op's padding with the halo-exchanged dims set to 0: their window already holds the
+    global edge padding (HALO.md)."""
+    local = list(padding)
+    for _, d, _ in plans:
+        local[d - first] = 0
+    return local
+
+
 def _window_shape(local_shape, plans) -> list[int]:
     shape = list(local_shape)
     for _, d, plan in plans:
@@ -214,9 +223,7 @@ def max_pool_backward_handler(op, args, kwargs):
         il = to_local(indices, targets)
         local_x_shape = x._spec.with_placements(targets).local_shape(coord)
         plans = _plans(spatial, x.shape, g.shape, mesh, coord, first, kernel, stride, padding, dilation)
-        local_padding = list(padding)
-        for _, d, _ in plans:
-            local_padding[d - first] = 0
+        local_padding = _local_padding(padding, plans, first)
         win_shape = _window_shape(local_x_shape, plans)
         if gl.numel() == 0 or _numel(win_shape) == 0:
             gw = gl.new_zeros(win_shape)
@@ -312,9 +319,7 @@ def avg_pool_backward_handler(op, args, kwargs):
         gl = to_local(g, g_targets)
         local_x_shape = x._spec.with_placements(gin_targets).local_shape(coord)
         plans = _plans(spatial, x.shape, g.shape, mesh, coord, first, kernel, stride, padding, ones)
-        local_padding = list(padding)
-        for _, d, _ in plans:
-            local_padding[d - first] = 0
+        local_padding = _local_padding(padding, plans, first)
         win_shape = _window_shape(local_x_shape, plans)
         if gl.numel() == 0 or _numel(win_shape) == 0:
             gw = gl.new_zeros(win_shape)
