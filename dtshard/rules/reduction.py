@@ -352,15 +352,24 @@ def _var_args(op, args, kwargs):
     return x, dim, correction, bool(keepdim)
 
 
+def _local_if_possible(op, x, dims, keepdim, args, kwargs):
+    """(result, x): the reduction done shard-locally when no reduced dim is sharded (result is
+    then not None); a 0-d Partial input is made whole first."""
+    if x.ndim == 0 and _needs_global(x, dims):  # a 0-d Partial: make it whole first
+        x = x.redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim)
+        args = (x,) + tuple(args[1:])
+    if not _needs_global(x, dims):
+        return _local_reduction(op, x, dims, keepdim, args, kwargs), x
+    return None, x
+
+
 @register_handler([aten.var.correction, aten.std.correction, aten.var_mean.correction, aten.std_mean.correction])
 def var_std_handler(op, args, kwargs):
     x, dim, correction, keepdim = _var_args(op, args, kwargs)
     dims = norm_dims(dim, x.ndim)
-    if x.ndim == 0 and _needs_global(x, dims):
-        x = x.redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim)
-        args = (x,) + tuple(args[1:])
-    if not _needs_global(x, dims):
-        return _local_reduction(op, x, dims, keepdim, args, kwargs)
+    done, x = _local_if_possible(op, x, dims, keepdim, args, kwargs)
+    if done is not None:
+        return done
     with torch.no_grad():
         var, mean = _var_parts(x, dims, correction, keepdim)
         packet = op._overloadpacket
@@ -379,11 +388,9 @@ def vector_norm_handler(op, args, kwargs):
     keepdim = bool(args[3] if len(args) > 3 else kwargs.get("keepdim", False))
     dtype = kwargs.get("dtype")
     dims = norm_dims(dim, x.ndim)
-    if x.ndim == 0 and _needs_global(x, dims):
-        x = x.redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim)
-        args = (x,) + tuple(args[1:])
-    if not _needs_global(x, dims):
-        return _local_reduction(op, x, dims, keepdim, args, kwargs)
+    done, x = _local_if_possible(op, x, dims, keepdim, args, kwargs)
+    if done is not None:
+        return done
     with torch.no_grad():
         if dtype is not None and dtype != x.dtype:
             x = aten._to_copy.default(x, dtype=dtype)
