@@ -165,6 +165,8 @@ def dispatch(op, args: tuple, kwargs: dict):
         largs[idx] = shape
     out = plan.local_op(*largs, **kwargs)
     if plan.mode == "inplace":
+        if plan.inplace_view:
+            _set_wrapper_metadata(op, args, kwargs, plan)
         return args[0]
     if type(out) is torch.Tensor:
         return DT(out, plan.out_specs[0], requires_grad=False)
@@ -189,11 +191,16 @@ def _dispatch_general(op, args: tuple, kwargs: dict):
     DT = _DT
     dts: list = []
     key: list = [id(op)]
-    margs = [_unwrap(op, a, dts, key, DT) for a in args]
-    mkwargs = {}
-    for k, v in kwargs.items():
-        key.append(k)
-        mkwargs[k] = _unwrap(op, v, dts, key, DT)
+    try:
+        margs = [_unwrap(op, a, dts, key, DT) for a in args]
+        mkwargs = {}
+        for k, v in kwargs.items():
+            key.append(k)
+            mkwargs[k] = _unwrap(op, v, dts, key, DT)
+    except MixedTensorError:
+        if torch._C._current_autograd_node() is None:
+            raise
+        return _dispatch_general(op, *_promote_plain_args(args, kwargs))
     try:
         tkey = tuple(key)
         plan = _cache.get(tkey)
@@ -224,12 +231,49 @@ def _dispatch_general(op, args: tuple, kwargs: dict):
     out = plan.local_op(*largs, **lkwargs)
 
     if plan.mode == "inplace":
+        if plan.inplace_view:
+            _set_wrapper_metadata(op, args, kwargs, plan)
         return args[0]
     if plan.mode == "out":
         out_names = [a.name for a in op._schema.arguments if a.is_out]
         res = tuple(kwargs[n] for n in out_names)
         return res[0] if len(res) == 1 else res
     return _wrap(out, iter(plan.out_specs), DT)
+
+
+def _set_wrapper_metadata(op, args: tuple, kwargs: dict, plan: Plan) -> None:
+    """After an in-place view op (``squeeze_``, ``t_``, ``as_strided_``, ...) changed the local
+    shard's shape, give the wrapper the new GLOBAL shape and stride and the plan's output spec
+    (otherwise the DTensor would keep its old shape over a reshaped shard).  The op runs on the
+    wrapper itself with its global arguments, below the Python key (metadata only, as
+    ``torch.utils._python_dispatch.return_and_correct_aliasing`` does for wrapper subclasses)."""
+    from torch.utils._mode_utils import no_dispatch
+
+    self = args[0]
+    with no_dispatch():
+        meta_in_tls = torch._C._meta_in_tls_dispatch_include()
+        torch._C._set_meta_in_tls_dispatch_include(True)
+        try:
+            op(*args, **kwargs)
+        finally:
+            torch._C._set_meta_in_tls_dispatch_include(meta_in_tls)
+    self._spec = plan.out_specs[0]
+
+
+def _promote_plain_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Inside a backward formula (the autograd engine is running a node), a plain tensor next to
+    DTensors was made by autograd itself from metadata (``zeros``, ``_efficientzerotensor``, ...
+    in a derivative formula, or a zero-filled gradient): it holds the global value, the same on
+    every rank, so it joins the op as a Replicate DTensor on the mesh of the other arguments."""
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    from dtshard.tensor import _promote_plain
+
+    flat, tree = tree_flatten((args, kwargs))
+    mesh = next(a._spec.mesh for a in flat if isinstance(a, _DT))
+    flat = [_promote_plain(a, mesh, what="a tensor autograd built in backward")
+            if isinstance(a, torch.Tensor) and not isinstance(a, _DT) and a.dim() != 0 else a for a in flat]
+    return tree_unflatten(flat, tree)
 
 
 def _wrap(out, specs, DT):

@@ -79,6 +79,9 @@ class Plan:
     def __post_init__(self) -> None:
         # precomputed for the dispatcher's cached path (plain attributes, no property calls)
         self._redistributes = any(t is not None for t in self.input_targets)
+        #: an in-place op that changes self's metadata (squeeze_, transpose_, as_strided_, ...): the
+        #: dispatcher must also change the wrapper's shape, stride and spec (set_wrapper_metadata)
+        self.inplace_view = self.mode == "inplace" and torch.Tag.inplace_view in getattr(self.op, "tags", ())
         #: the output spec when the plan is the simplest kind: functional, one tensor output,
         #: no input moves, no shape arguments (the local result is wrapped as it is)
         self._simple_out = None
@@ -122,6 +125,10 @@ def _functional_of(op: torch._ops.OpOverload):
     if schema.is_mutable and packet_name.endswith("_") and not packet_name.endswith("__"):
         base = getattr(aten, packet_name[:-1], None)
         ov = getattr(base, op._overloadname, None) if base is not None else None
+        if ov is None and base is not None:  # overload names differ (transpose_.default / transpose.int)
+            sig = [(a.name, str(a.type)) for a in schema.arguments]
+            ov = next((getattr(base, n) for n in base.overloads()
+                       if [(a.name, str(a.type)) for a in getattr(base, n)._schema.arguments] == sig), None)
         if ov is not None:
             result = (ov, "inplace")
     elif schema.is_mutable and any(a.is_out for a in schema.arguments):
@@ -333,6 +340,7 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
         combos = list(itertools.product(range(len(strategies)), repeat=m))
     priced = []
     src_pl = [s.placements for s in specs]
+    inplace_view = mode == "inplace" and torch.Tag.inplace_view in op.tags
     # per (input k, the strategy indices that give its target): bytes; combos share them on N-D meshes
     costs: dict = {}
     for combo in combos:
@@ -342,7 +350,10 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
         for j, k in enumerate(in_ids):
             ins_list[k] = rule_ins[j]
         ins = tuple(ins_list)
-        if mode == "inplace" and (not placements_equal(ins[0], src_pl[0]) or not placements_equal(outs[0], src_pl[0])):
+        # an in-place op keeps self where it is; one that changes only metadata (squeeze_, t_, ...)
+        # may relabel it (S(1) of (1, n) squeezed is S(0)), any other keeps its placements
+        if mode == "inplace" and (not placements_equal(ins[0], src_pl[0]) or (
+                not inplace_view and not placements_equal(outs[0], src_pl[0]))):
             continue
         if mode == "out" and tuple(outs) != tuple(specs[k].placements for k in sorted(out_slots)):
             continue

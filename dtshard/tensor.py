@@ -9,6 +9,7 @@ for it runs unchanged, and tensors convert both ways without moving data (:meth:
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Callable, Optional, Sequence
 
@@ -32,18 +33,49 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def _settle_grads_of(leaf: "DTensor") -> None:
-    """Reduce a Partial gradient of ``leaf`` once, when autograd has accumulated it, to the leaf's
-    own placements on those mesh dims (Replicate: all_reduce; Shard: reduce_scatter).
+def _install_grad_hooks(leaf: "DTensor") -> None:
+    """Hooks every leaf DTensor that requires grad gets, once:
 
-    The gradient of a replicated weight is naturally a Partial sum (each rank saw its part of the
-    batch); left Partial, every optimizer op that reads it (momentum, Adam's moments, the update)
-    would reduce it again.  Like DDP's bucketed all_reduce, this reduces each gradient once per
-    backward.  Off: ``dtshard.propagate.config.settle_partial_grads = False``."""
+    - a tensor hook that turns a plain-tensor gradient into a DTensor (:func:`_grad_as_dtensor`).
+      Autograd builds some gradients itself, without any DTensor input, so they never reach
+      ``__torch_dispatch__``: zero-filled gradients (``_efficientzerotensor`` / ``zeros`` in
+      derivative formulas, e.g. ``copysign``'s gradient for ``other``, ``sgn``'s), and undefined
+      gradients materialised for custom Functions.  The hook runs for ``.backward()`` and for
+      ``torch.autograd.grad`` alike, so neither ``.grad`` nor a returned gradient is ever plain.
+    - a post-accumulate hook that settles a Partial gradient once (:func:`_settle_grad`).
+    """
     if getattr(leaf, "_dtshard_settles_grads", False) or torch.compiler.is_compiling():
         return
+    leaf.register_hook(functools.partial(_grad_as_dtensor, leaf._spec))
     leaf.register_post_accumulate_grad_hook(_settle_grad)
     leaf._dtshard_settles_grads = True
+
+
+def _grad_as_dtensor(spec: DTensorSpec, grad: torch.Tensor):
+    """Tensor hook of a leaf DTensor with ``spec``: a plain gradient becomes a DTensor laid out like
+    the leaf (Partial as Replicate); a DTensor gradient passes unchanged (None)."""
+    if isinstance(grad, DTensor):
+        return None
+    return _promote_plain(grad, spec.mesh, _grad_placements(spec.placements), shape=spec.shape,
+                          what="the gradient of a leaf DTensor")
+
+
+def _promote_plain(t: torch.Tensor, mesh: DeviceMesh, placements=None, *, shape=None, what: str) -> "DTensor":
+    """A plain tensor that autograd created from metadata alone (a zero-filled gradient, a factory
+    in a derivative formula) as a DTensor: it holds the GLOBAL value and is the same on every
+    rank, so it is Replicate, then sliced locally (no communication) to ``placements``.  With
+    ``shape`` (the global shape it must have) a tensor of any other shape raises: never guess."""
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise RuntimeError(
+            f"dtshard: {what} of global shape {tuple(shape)} on mesh {tuple(mesh.shape)} arrived as a "
+            f"plain torch.Tensor of shape {tuple(t.shape)}; a gradient of a DTensor must be a DTensor "
+            "(a custom autograd.Function should return DTensor gradients for DTensor inputs).")
+    if t._is_zerotensor():  # autograd's lazy zeros: materialise (a ZeroTensor cannot be sliced)
+        t = torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+    rep = DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim)
+    if placements is None or tuple(placements) == rep.placements:
+        return rep
+    return rep.redistribute(mesh, placements)
 
 
 def _settle_grad(param: "DTensor") -> None:
@@ -94,16 +126,16 @@ class DTensor(torch.Tensor):
         r._local_tensor = local_tensor
         r._spec = spec
         if requires_grad:  # a new leaf (distribute_tensor(..., requires_grad=True), ...)
-            _settle_grads_of(r)
+            _install_grad_hooks(r)
         return r
 
     def requires_grad_(self, requires_grad: bool = True) -> "DTensor":
         """As ``torch.Tensor.requires_grad_``; a leaf DTensor that starts requiring grad (e.g. the
         tensor ``nn.Parameter(dtensor)`` builds) gets its gradients settled once (see
-        :func:`_settle_grads_of`)."""
+        :func:`_install_grad_hooks`)."""
         super().requires_grad_(requires_grad)
         if requires_grad and self.is_leaf:
-            _settle_grads_of(self)
+            _install_grad_hooks(self)
         return self
 
     def __repr__(self) -> str:  # never gathers
@@ -348,8 +380,8 @@ class _FromLocal(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         spec = ctx.spec
-        if not isinstance(grad, DTensor):
-            return grad, None, None
+        if not isinstance(grad, DTensor):  # built by autograd from metadata (zeros): the global value
+            grad = _promote_plain(grad, spec.mesh, shape=spec.shape, what="the gradient of DTensor.from_local")
         target = ctx.grad_placements or _grad_placements(spec.placements)
         if grad._spec.placements != target:
             grad = grad.redistribute(spec.mesh, target)
@@ -445,8 +477,8 @@ class _Redistribute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         src = ctx.src
-        if not isinstance(grad, DTensor):
-            raise TypeError("dtshard: the gradient of a DTensor redistribute must be a DTensor")
+        if not isinstance(grad, DTensor):  # built by autograd from metadata (zeros): the global value
+            grad = _promote_plain(grad, src.mesh, shape=src.shape, what="the gradient of a redistribute")
         target = _grad_placements(src.placements)
         return grad.redistribute(src.mesh, target), None
 
