@@ -16,6 +16,7 @@ from dtshard import _trace
 from dtshard import registry
 from dtshard.propagate import Plan, _Slot, propagate
 from dtshard.redistribute import redistribute_local
+from dtshard.spec import placements_str
 
 __all__ = ["dispatch", "clear_cache", "cache_info", "MixedTensorError"]
 
@@ -155,8 +156,10 @@ def dispatch(op, args: tuple, kwargs: dict):
     if _observers:
         _observe(op, plan, [d._spec for d in dts])
     spec = plan._simple_out
-    if spec is not None:  # functional, one tensor out, nothing to move: call and wrap
+    if spec is not None:  # functional, one tensor out, nothing to move, not a view: call and wrap
         return DT(plan.local_op(*largs, **kwargs), spec, requires_grad=False)
+    if plan.mode == "inplace" and args[0]._copied_view is not None:
+        raise _write_to_copied_view(op, args[0])
     if plan._redistributes:
         for k, t in enumerate(plan.input_targets):
             if t is not None:
@@ -169,8 +172,38 @@ def dispatch(op, args: tuple, kwargs: dict):
             _set_wrapper_metadata(op, args, kwargs, plan)
         return args[0]
     if type(out) is torch.Tensor:
-        return DT(out, plan.out_specs[0], requires_grad=False)
-    return _wrap(out, iter(plan.out_specs), DT)
+        res = DT(out, plan.out_specs[0], requires_grad=False)
+    else:
+        res = _wrap(out, iter(plan.out_specs), DT)
+    if plan.is_view:
+        _note_view(op, plan, dts[0], res)
+    return res
+
+
+def _note_view(op, plan, base, res) -> None:
+    """A view op whose plan moved ``base`` (a gather, say) returns a view of the moved COPY, not of
+    ``base``: writing into it would leave ``base`` unchanged, silently unlike PyTorch.  Such
+    outputs (and views of them) are marked, and an in-place op on one raises
+    (:func:`_write_to_copied_view`).  Reading them is fine."""
+    if plan.breaks_alias:
+        note = (f"{op} on {tuple(base.shape)} {placements_str(base._spec.placements)} had to "
+                f"redistribute it to {placements_str(plan.input_targets[0])}")
+    else:
+        note = base._copied_view
+        if note is None:
+            return
+    for t in res if isinstance(res, (list, tuple)) else (res,):
+        if isinstance(t, _DT):
+            t._copied_view = note
+
+
+def _write_to_copied_view(op, t) -> RuntimeError:
+    return RuntimeError(
+        f"dtshard: {op} writes into a DTensor of shape {tuple(t.shape)} "
+        f"{placements_str(t._spec.placements)} on mesh {tuple(t._spec.mesh.shape)} that PyTorch "
+        f"would treat as a view of another tensor, but {t._copied_view}, so it is a copy and the "
+        "write would not reach the original. Redistribute the original first (x = "
+        "x.redistribute(mesh, placements)) and take the view of that, or use an out-of-place op.")
 
 
 def _observe(op, plan, specs) -> None:
@@ -219,6 +252,13 @@ def _dispatch_general(op, args: tuple, kwargs: dict):
     if _observers:
         _observe(op, plan, specs)
 
+    if plan.mode != "functional":  # never write into a view that is a copy
+        written = [args[0]] if plan.mode == "inplace" else [
+            kwargs.get(a.name) for a in op._schema.arguments if a.is_out]
+        for t in written:
+            if isinstance(t, DT) and t._copied_view is not None:
+                raise _write_to_copied_view(op, t)
+
     # redistribute inputs (below autograd: the op's own backward formula handles gradients)
     locals_ = [
         d._local_tensor if t is None else _redistribute_input(op, d, t)
@@ -238,7 +278,10 @@ def _dispatch_general(op, args: tuple, kwargs: dict):
         out_names = [a.name for a in op._schema.arguments if a.is_out]
         res = tuple(kwargs[n] for n in out_names)
         return res[0] if len(res) == 1 else res
-    return _wrap(out, iter(plan.out_specs), DT)
+    res = _wrap(out, iter(plan.out_specs), DT)
+    if plan.is_view:
+        _note_view(op, plan, dts[0], res)
+    return res
 
 
 def _set_wrapper_metadata(op, args: tuple, kwargs: dict, plan: Plan) -> None:

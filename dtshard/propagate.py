@@ -86,7 +86,12 @@ class Plan:
         #: no input moves, no shape arguments (the local result is wrapped as it is)
         self._simple_out = None
         returns = getattr(getattr(self.op, "_schema", None), "returns", ())
-        if (self.mode == "functional" and not self._redistributes and not self.shape_overrides
+        #: a view op (its output aliases self): the dispatcher keeps track of views that are not
+        #: views, because the plan had to move self (see dispatch._note_view)
+        alias = returns[0].alias_info if returns else None
+        self.is_view = self.mode == "functional" and alias is not None and not alias.is_write
+        self.breaks_alias = self.is_view and bool(self.input_targets) and self.input_targets[0] is not None
+        if (self.mode == "functional" and not self.is_view and not self._redistributes and not self.shape_overrides
                 and len(self.out_specs) == 1 and self.out_specs[0] is not None
                 and len(returns) == 1 and str(returns[0].type) == "Tensor"):
             self._simple_out = self.out_specs[0]

@@ -109,6 +109,9 @@ class DTensor(torch.Tensor):
 
     _local_tensor: torch.Tensor
     _spec: DTensorSpec
+    #: set when this DTensor came out of a view op whose plan had to move the base (so it is a
+    #: copy, not a view): says why; in-place ops on it raise (see dispatch._note_view)
+    _copied_view: Optional[str] = None
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 

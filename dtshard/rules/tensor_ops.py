@@ -54,7 +54,10 @@ def to_copy_rule(call: OpCall):
 @register_rule(aten.copy.default)
 def copy_rule(call: OpCall):
     # copy(self, src): src's values in self's shape (src broadcasts); in-place copy_ derives from it
-    dst, src = call.tensors[0], call.tensors[1]
+    dst = call.tensors[0]
+    if len(call.tensors) == 1:  # src is a plain 0-d tensor: the same value on every shard
+        return [((Shard(d),), (Shard(d),)) for d in range(dst.ndim)]
+    src = call.tensors[1]
     strategies = []
     for d in range(dst.ndim):
         sd = d - (dst.ndim - src.ndim)

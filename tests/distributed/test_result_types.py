@@ -151,3 +151,52 @@ def test_double_backward_of_max_pool_gives_dtensors():
 def test_inplace_view_ops_change_the_global_shape():
     for rank, problems in enumerate(run_distributed(_inplace_views, 2)):
         assert not problems, f"rank {rank}:\n" + "\n".join(problems)
+
+
+def _copied_views():
+    """A view op whose plan has to move its input returns a copy: writing into it must raise,
+    never silently leave the base unchanged (autograd's as_strided_scatter backward does
+    ``grad.new_zeros(...).as_strided(...).copy_(...)``)."""
+    mesh = dtshard.init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    problems = []
+    x = dtshard.distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)])
+    v = x.as_strided((2, 2), (1, 2), 1)  # as_strided needs the whole tensor: a gathered copy
+    w = v[0]  # a view of the copy is a copy of x too
+    for name, write in {"zero_": lambda t: t.zero_(), "add_": lambda t: t.add_(1),
+                        "copy_": lambda t: t.copy_(torch.ones(())),
+                        "view of it": lambda t: w.mul_(2)}.items():
+        try:
+            write(v)
+            problems.append(f"{name}: no error")
+        except RuntimeError as e:
+            if "is a copy" not in str(e):
+                problems.append(f"{name}: unclear error {e}")
+    # a true view (no move) stays writable and writes through
+    y = dtshard.distribute_tensor(torch.zeros(4, 4), mesh, [Shard(0)])
+    y[:, 1].add_(1)  # a column of a row-sharded tensor: a local view
+    if not torch.equal(y.full_tensor()[:, 1], torch.ones(4)):
+        problems.append("a true view did not write through")
+    # the gradient of as_strided_scatter, for every layout of the output gradient: exact, or a
+    # clear error (never a wrong value)
+    base, src, g = torch.randn(4, 4), torch.randn(2, 2), torch.randn(4, 4)
+    rx, rs = base.clone().requires_grad_(), src.clone().requires_grad_()
+    rgx, rgs = torch.autograd.grad(torch.as_strided_scatter(rx, rs, (2, 2), (1, 2), 1), [rx, rs], g)
+    for pg in (Replicate(), Shard(0), Shard(1)):
+        dx = dtshard.distribute_tensor(base, mesh, [Shard(0)]).requires_grad_()
+        ds = dtshard.distribute_tensor(src, mesh, [Replicate()]).requires_grad_()
+        dy = torch.as_strided_scatter(dx, ds, (2, 2), (1, 2), 1)
+        try:
+            gx, gs = torch.autograd.grad(dy, [dx, ds], dtshard.distribute_tensor(g, mesh, [pg]))
+        except RuntimeError as e:
+            if "is a copy" not in str(e):
+                problems.append(f"as_strided_scatter grad {pg}: unclear error {e}")
+            continue
+        if not (torch.allclose(gx.full_tensor(), rgx) and torch.allclose(gs.full_tensor(), rgs)):
+            problems.append(f"as_strided_scatter grad {pg}: WRONG values")
+    return problems
+
+
+def test_writes_into_views_that_are_copies_raise():
+    for rank, problems in enumerate(run_distributed(_copied_views, 2)):
+        assert not problems, f"rank {rank}:\n" + "\n".join(problems)
