@@ -37,7 +37,9 @@ class MixedTensorError(RuntimeError):
     """A plain (non-scalar) torch.Tensor met a DTensor. Not a TypeError: Tensor.__add__ & co.
     turn TypeErrors into NotImplemented, which would hide this message."""
 
-    pass
+    def __init__(self, message: str, tensor: torch.Tensor | None = None):
+        super().__init__(message)
+        self.tensor = tensor
 
 
 _handlers: dict[int, Any] = {}  # id(op) -> handler, mirrors registry.handlers
@@ -63,9 +65,10 @@ def cache_info() -> dict:
 def _mixed_error(op, t: torch.Tensor) -> MixedTensorError:
     return MixedTensorError(
         f"{op} got a plain torch.Tensor of shape {tuple(t.shape)} mixed with dtshard DTensors. "
-        "Only Python scalars and 0-d tensors broadcast implicitly. Convert the tensor first: "
-        "dtshard.distribute_tensor(t, mesh, [Replicate()]) if every rank holds the same full tensor, "
-        "or dtshard.DTensor.from_local(t, mesh, placements) if it is this rank's shard."
+        "Only Python scalars and tensors of one element broadcast implicitly. Convert the tensor "
+        "first: dtshard.distribute_tensor(t, mesh, [Replicate()]) if every rank holds the same full "
+        "tensor, or dtshard.DTensor.from_local(t, mesh, placements) if it is this rank's shard.",
+        t,
     )
 
 
@@ -230,10 +233,11 @@ def _dispatch_general(op, args: tuple, kwargs: dict):
         for k, v in kwargs.items():
             key.append(k)
             mkwargs[k] = _unwrap(op, v, dts, key, DT)
-    except MixedTensorError:
-        if torch._C._current_autograd_node() is None:
+    except MixedTensorError as e:
+        in_backward = torch._C._current_autograd_node() is not None
+        if not in_backward and e.tensor.numel() != 1:
             raise
-        return _dispatch_general(op, *_promote_plain_args(args, kwargs))
+        return _dispatch_general(op, *_promote_plain_args(op, args, kwargs, in_backward))
     try:
         tkey = tuple(key)
         plan = _cache.get(tkey)
@@ -303,20 +307,31 @@ def _set_wrapper_metadata(op, args: tuple, kwargs: dict, plan: Plan) -> None:
     self._spec = plan.out_specs[0]
 
 
-def _promote_plain_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Inside a backward formula (the autograd engine is running a node), a plain tensor next to
-    DTensors was made by autograd itself from metadata (``zeros``, ``_efficientzerotensor``, ...
-    in a derivative formula, or a zero-filled gradient): it holds the global value, the same on
-    every rank, so it joins the op as a Replicate DTensor on the mesh of the other arguments."""
+def _promote_plain_args(op, args: tuple, kwargs: dict, in_backward: bool) -> tuple[tuple, dict]:
+    """Plain tensors (not 0-d) next to DTensors that join the op as Replicate DTensors on the
+    mesh of the other arguments:
+
+    - tensors of one element, as PyTorch's DTensor treats them (like scalars, the same value on
+      every rank is assumed; decompositions make them, e.g. ``linalg.matrix_rank``'s tolerance);
+    - inside a backward formula (the autograd engine is running a node), every plain tensor: it
+      was made by autograd itself from metadata (``zeros``, ``_efficientzerotensor``, ... in a
+      derivative formula, or a zero-filled gradient), so it holds the global value on every rank.
+    """
     from torch.utils._pytree import tree_flatten, tree_unflatten
 
     from dtshard.tensor import _promote_plain
 
     flat, tree = tree_flatten((args, kwargs))
     mesh = next(a._spec.mesh for a in flat if isinstance(a, _DT))
-    flat = [_promote_plain(a, mesh, what="a tensor autograd built in backward")
-            if isinstance(a, torch.Tensor) and not isinstance(a, _DT) and a.dim() != 0 else a for a in flat]
-    return tree_unflatten(flat, tree)
+
+    def promote(a):
+        if not isinstance(a, torch.Tensor) or isinstance(a, _DT) or a.dim() == 0:
+            return a
+        if not in_backward and a.numel() != 1:
+            raise _mixed_error(op, a)
+        return _promote_plain(a, mesh, what="a plain tensor")
+
+    return tree_unflatten([promote(a) for a in flat], tree)
 
 
 def _wrap(out, specs, DT):

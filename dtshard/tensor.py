@@ -54,7 +54,7 @@ def _install_grad_hooks(leaf: "DTensor") -> None:
 def _grad_as_dtensor(spec: DTensorSpec, grad: torch.Tensor):
     """Tensor hook of a leaf DTensor with ``spec``: a plain gradient becomes a DTensor laid out like
     the leaf (Partial as Replicate); a DTensor gradient passes unchanged (None)."""
-    if isinstance(grad, DTensor):
+    if grad is None or isinstance(grad, DTensor):  # None: an undefined gradient (allow_unused)
         return None
     return _promote_plain(grad, spec.mesh, _grad_placements(spec.placements), shape=spec.shape,
                           what="the gradient of a leaf DTensor")

@@ -200,3 +200,30 @@ def _copied_views():
 def test_writes_into_views_that_are_copies_raise():
     for rank, problems in enumerate(run_distributed(_copied_views, 2)):
         assert not problems, f"rank {rank}:\n" + "\n".join(problems)
+
+
+def _one_element_tensors():
+    """Plain tensors of one element broadcast like scalars (as in PyTorch's DTensor); decompositions
+    make them (``linalg.matrix_rank``'s tolerance is a (1,) tensor)."""
+    mesh = dtshard.init_device_mesh("cpu", (2,))
+    coord = tuple(mesh.get_coordinate())
+    torch.manual_seed(0)
+    problems = []
+    x = torch.randn(4, 3, 3)
+    for pl in (Shard(0), Shard(1), Replicate()):
+        d = dtshard.distribute_tensor(x, mesh, [pl])
+        _check(f"matrix_rank {pl}", torch.linalg.matrix_rank(d), torch.linalg.matrix_rank(x), coord, problems)
+        _check(f"* (1,) {pl}", d * torch.tensor([2.0]), x * 2.0, coord, problems)
+        _check(f"+ (1, 1) {pl}", torch.tensor([[1.5]]) + d, x + 1.5, coord, problems)
+    try:
+        dtshard.distribute_tensor(x, mesh, [Shard(0)]) * torch.ones(3)
+        problems.append("a plain (3,) tensor was accepted")
+    except RuntimeError as e:
+        if "plain torch.Tensor of shape (3,)" not in str(e):
+            problems.append(f"unclear error: {e}")
+    return problems
+
+
+def test_one_element_plain_tensors_broadcast():
+    for rank, problems in enumerate(run_distributed(_one_element_tensors, 2)):
+        assert not problems, f"rank {rank}:\n" + "\n".join(problems)
