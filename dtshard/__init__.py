@@ -10,6 +10,8 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from dtshard import rules as _rules  # noqa: F401  (registers the built-in rules)
 from dtshard import debug  # noqa: F401  (dtshard.debug.*)
+from dtshard import composites as _composites
+
 from dtshard.collectives import init_device_mesh
 from dtshard.propagate import NoRuleError, RuleError, config
 from dtshard.registry import OpCall, override, register_handler, register_rule
@@ -40,6 +42,8 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+_composites.register()
 
 
 class replicate_fallback:

@@ -1,0 +1,57 @@
+"""Composite ops whose decomposition can return a tensor that no op on the inputs produced.
+
+A CompositeImplicitAutograd op never reaches ``__torch_dispatch__``: autograd runs its C++
+decomposition, and dtshard sees only the ops it calls.  When the decomposition builds its result
+with a factory from ``input.options()`` and returns it without passing any DTensor through an op
+(``linalg.matrix_rank`` of an empty matrix: ``at::empty`` then ``fill_(0)``), the result is a
+plain ``torch.Tensor`` although the input was a DTensor.
+
+For the ops listed here dtshard registers, at the Autograd keys, a kernel that runs the same
+decomposition (``OpOverload.decompose``: exactly what PyTorch would run) and, when a DTensor was
+among the inputs, promotes a plain tensor result to a Replicate DTensor: it was made from metadata
+alone, so it is the same global value on every rank.  Plain-tensor calls run the decomposition
+unchanged.  Add an op here only when the OpInfo sweep shows it returning a plain tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+aten = torch.ops.aten
+
+#: (packet, overload names) of the functional overloads to cover
+COMPOSITES = {
+    "linalg_matrix_rank": ("default", "tol_tensor", "atol_rtol_tensor", "atol_rtol_float"),
+}
+
+_lib = None
+
+
+def _kernel(op):
+    def run(*args, **kwargs):
+        out = op.decompose(*args, **kwargs)
+        from dtshard.tensor import DTensor, _promote_plain
+
+        dts = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, DTensor)]
+        if not dts:
+            return out
+        mesh = dts[0]._spec.mesh
+        return tree_map(lambda t: _promote_plain(t, mesh, what=f"the result of {op}")
+                        if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t, out)
+
+    run.__name__ = f"dtshard_{op._overloadpacket.__name__}_{op._overloadname}"
+    return run
+
+
+def register() -> None:
+    """Install the kernels (once, at ``import dtshard``)."""
+    global _lib
+    if _lib is not None:
+        return
+    _lib = torch.library.Library("aten", "IMPL")
+    for packet, overloads in COMPOSITES.items():
+        for name in overloads:
+            op = getattr(getattr(aten, packet), name)
+            for key in ("AutogradCPU", "AutogradCUDA"):
+                _lib.impl(packet if name == "default" else f"{packet}.{name}", _kernel(op), key)
