@@ -43,9 +43,23 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.R
 from dtshard._trace import comm_observers as _observers
 
 # Per-mesh caches, keyed by id() but checked against a weak reference: a mesh that was freed can
-# leave its id to a new mesh, which must not inherit the old process groups.
+# leave its id to a new mesh, which must not inherit the old process groups.  Slicing a mesh
+# (``mesh["tp"]``) makes a new DeviceMesh object every time, so the weak reference also drops
+# the entry when its mesh is freed (otherwise a loop that slices would grow the caches forever).
 _group_names: dict[tuple[int, int], tuple] = {}
 _coordinates: dict[int, tuple] = {}
+
+
+def _cache_put(cache: dict, key, mesh: DeviceMesh, value):
+    """Store ``(weakref(mesh), value)`` under ``key``; the entry goes when ``mesh`` is freed."""
+
+    def drop(ref, cache=cache, key=key):
+        hit = cache.get(key)
+        if hit is not None and hit[0] is ref:  # not an entry a newer mesh with this id made
+            del cache[key]
+
+    cache[key] = (weakref.ref(mesh, drop), value)
+    return value
 
 
 def _group(mesh: DeviceMesh, mesh_dim: int) -> tuple[str, int]:
@@ -54,7 +68,7 @@ def _group(mesh: DeviceMesh, mesh_dim: int) -> tuple[str, int]:
     hit = _group_names.get(key)
     if hit is None or hit[0]() is not mesh:
         group = mesh.get_group(mesh_dim)
-        hit = _group_names[key] = (weakref.ref(mesh), (group.group_name, mesh.size(mesh_dim)))
+        return _cache_put(_group_names, key, mesh, (group.group_name, mesh.size(mesh_dim)))
     return hit[1]
 
 
@@ -71,7 +85,7 @@ def _eager_group(mesh: DeviceMesh, mesh_dim: int, x: torch.Tensor):
     key = (id(mesh), mesh_dim)
     hit = _pgs.get(key)
     if hit is None or hit[0]() is not mesh:
-        hit = _pgs[key] = (weakref.ref(mesh), mesh.get_group(mesh_dim))
+        return _cache_put(_pgs, key, mesh, mesh.get_group(mesh_dim))
     return hit[1]
 
 
@@ -94,7 +108,7 @@ def mesh_coordinate(mesh: DeviceMesh) -> tuple[int, ...]:
                 f"rank {dist.get_rank()} is not part of mesh {mesh}; dtshard tensors live only on "
                 "the ranks of their mesh."
             )
-        hit = _coordinates[id(mesh)] = (weakref.ref(mesh), tuple(c))
+        return _cache_put(_coordinates, id(mesh), mesh, tuple(c))
     return hit[1]
 
 

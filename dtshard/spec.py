@@ -235,8 +235,15 @@ def mesh_identity(mesh) -> tuple:
         ident = (hash(mesh), tuple(names) if names is not None else ())
     except TypeError:
         ident = (tuple(mesh.shape), id(mesh))
+    key = id(mesh)
+
+    def drop(ref):  # a freed mesh leaves the cache (slicing makes a new mesh object every time)
+        hit = _mesh_ids.get(key)
+        if hit is not None and hit[0] is ref:
+            del _mesh_ids[key]
+
     try:
-        _mesh_ids[id(mesh)] = (weakref.ref(mesh), ident)
+        _mesh_ids[key] = (weakref.ref(mesh, drop), ident)
     except TypeError:  # not weak-referenceable: do not cache
         pass
     return ident

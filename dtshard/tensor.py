@@ -500,9 +500,12 @@ def distribute_tensor(
 ) -> DTensor:
     """Distribute a full tensor over ``device_mesh`` with ``placements``.
 
-    As in PyTorch, the data of the mesh's rank ``src_data_rank`` is used (broadcast along each mesh
-    dim); with ``src_data_rank=None`` every rank is trusted to hold the same tensor and only slices
-    locally (no communication).  The result is a leaf when ``tensor`` is (requires_grad kept).
+    As in PyTorch, ``src_data_rank`` is a rank WITHIN each mesh dim's process group (not a global
+    rank): the data comes from the rank at mesh coordinate ``(src_data_rank,) * mesh.ndim``
+    (broadcast along each mesh dim).  So on a sub-mesh, e.g. ``mesh["tp"]`` of a ``("dp", "tp")``
+    mesh, every tp group takes its own first rank's data with the default ``0``.  With
+    ``src_data_rank=None`` every rank is trusted to hold the same tensor and only slices locally
+    (no communication).  The result is a leaf when ``tensor`` is (requires_grad kept).
     """
     if device_mesh is None:
         raise ValueError("distribute_tensor: pass device_mesh")
@@ -513,7 +516,7 @@ def distribute_tensor(
     requires_grad = tensor.requires_grad
     full = tensor.detach()
     if src_data_rank is not None:
-        src_coord = _mesh_coord_of(device_mesh, src_data_rank)
+        src_coord = _src_coordinate(device_mesh, src_data_rank, tensor, placements)
         for i in reversed(range(device_mesh.ndim)):
             # after the step for mesh dim i, every rank whose coordinates before i equal src's
             # holds src's data; after mesh dim 0, every rank does
@@ -526,11 +529,26 @@ def distribute_tensor(
     return DTensor(local, spec.with_placements(placements), requires_grad=requires_grad)
 
 
-def _mesh_coord_of(mesh: DeviceMesh, rank: int) -> tuple[int, ...]:
-    idx = (mesh.mesh == rank).nonzero()
-    if idx.numel() == 0:
-        raise ValueError(f"src_data_rank={rank} is not a rank of mesh {mesh.mesh.tolist()}")
-    return tuple(int(v) for v in idx[0])
+def _src_coordinate(mesh: DeviceMesh, src_data_rank: int, tensor: torch.Tensor,
+                    placements: Sequence[Placement]) -> tuple[int, ...]:
+    """The mesh coordinate whose data ``distribute_tensor`` uses: ``src_data_rank`` on every mesh dim.
+
+    PyTorch scatters/broadcasts along each mesh dim from ``group_src=src_data_rank``, the rank
+    within that dim's group, so the data ends up coming from coordinate ``(src, src, ...)``.  The
+    check uses only the mesh's shape (the same on every rank), so a bad value raises on every rank
+    before any collective.
+    """
+    sizes = tuple(mesh.shape)
+    if not isinstance(src_data_rank, int) or isinstance(src_data_rank, bool) \
+            or not all(0 <= src_data_rank < n for n in sizes):
+        raise ValueError(
+            f"distribute_tensor: src_data_rank={src_data_rank!r} is not a rank of every mesh dim's group "
+            f"(tensor of shape {tuple(tensor.shape)}, placements {placements_str(placements)}, mesh "
+            f"{sizes} with dim names {mesh.mesh_dim_names}): as in PyTorch it is the rank WITHIN each "
+            f"mesh dim's process group, not a global rank, so it must be in [0, {min(sizes)}); "
+            "pass src_data_rank=None to use every rank's own data."
+        )
+    return (src_data_rank,) * mesh.ndim
 
 
 def distribute_module(

@@ -23,8 +23,10 @@ def parallelize_module(
     """Apply tensor parallelism: ``parallelize_plan`` is one :class:`ParallelStyle` for ``module``
     itself, or a dict from submodule paths (``fnmatch`` patterns per path component, e.g.
     ``"layers.*.attention.wq"``) to styles.  ``device_mesh`` must be 1-D (slice an N-D mesh
-    first, e.g. ``mesh["tp"]``).  ``src_data_rank``: the rank whose parameter values are used
-    (scattered/broadcast by ``distribute_tensor``); ``None`` trusts every rank's own copy.
+    first, e.g. ``mesh["tp"]``).  ``src_data_rank``: the rank, WITHIN each group of the mesh
+    (as in PyTorch: on ``mesh["tp"]`` the default 0 is the first rank of every tp group), whose
+    parameter values are used (scattered/broadcast by ``distribute_tensor``); ``None`` trusts
+    every rank's own copy.
     """
     if device_mesh is None:
         try:
