@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-# callback(kind, mesh_dim, nbytes, group_size) for every collective
-comm_observers: list[Callable[[str, int, int, int], None]] = []
+# callback(kind, mesh_dim, nbytes_sent, group_size, nbytes_received) for every collective
+# (mesh_dim is a tuple of mesh dims for a collective over their flattened group)
+comm_observers: list[Callable[..., None]] = []
 # callback(kind, nbytes) for every local copy pass made by redistribute / halo code
 copy_observers: list[Callable[[str, int], None]] = []
 # callback(op_name, plan_text) for every dispatch (cache hit or miss)

@@ -14,6 +14,7 @@ all_gather ``(n-1) * input``, reduce_scatter ``(n-1)/n * input``, all_reduce ``2
 from __future__ import annotations
 
 import datetime
+import math
 import weakref
 from typing import Sequence
 
@@ -62,14 +63,66 @@ def _cache_put(cache: dict, key, mesh: DeviceMesh, value):
     return value
 
 
-def _group(mesh: DeviceMesh, mesh_dim: int) -> tuple[str, int]:
-    """(process group name, group size) of one mesh dim, cached per mesh object."""
+def _group(mesh: DeviceMesh, mesh_dim) -> tuple[str, int]:
+    """(process group name, group size) of one mesh dim, or of the flattened group of a tuple of
+    mesh dims (:func:`flat_group`), cached per mesh object."""
     key = (id(mesh), mesh_dim)
     hit = _group_names.get(key)
     if hit is None or hit[0]() is not mesh:
-        group = mesh.get_group(mesh_dim)
-        return _cache_put(_group_names, key, mesh, (group.group_name, mesh.size(mesh_dim)))
+        group = _process_group(mesh, mesh_dim)
+        return _cache_put(_group_names, key, mesh, (group.group_name, group_size(mesh, mesh_dim)))
     return hit[1]
+
+
+def group_size(mesh: DeviceMesh, mesh_dim) -> int:
+    """Ranks in the group of one mesh dim, or of a tuple of mesh dims flattened."""
+    if isinstance(mesh_dim, tuple):
+        n = 1
+        for d in mesh_dim:
+            n *= mesh.size(d)
+        return n
+    return mesh.size(mesh_dim)
+
+
+def _process_group(mesh: DeviceMesh, mesh_dim):
+    if isinstance(mesh_dim, tuple):
+        return mesh.get_group(mesh_dim[0]) if len(mesh_dim) == 1 else flat_group(mesh, mesh_dim)
+    return mesh.get_group(mesh_dim)
+
+
+#: (mesh identity, dims) -> ProcessGroup of the flattened group this rank belongs to
+_flat_groups: dict[tuple, object] = {}
+
+
+def flat_group(mesh: DeviceMesh, dims: tuple[int, ...]):
+    """The process group of the ranks that differ from this rank only in mesh ``dims``, ordered
+    row-major over ``dims`` in mesh order (so group rank = the linearised coordinate, the order
+    in which nested shards of one tensor dim follow each other).
+
+    Created by dtshard on first use, once per (mesh, dims) and cached by the mesh's identity
+    (layout and process groups), with ``use_local_synchronization=True``: only the group's own
+    members take part, so ranks that never plan a step over these dims (another pipeline stage,
+    another sub-mesh) are not involved and cannot deadlock.  Members reach the creation together
+    because they run the same redistribute (plans are functions of metadata all ranks share).
+    The group gets the default group's timeout.
+    """
+    from dtshard.layout import group_coords
+    from dtshard.spec import mesh_identity
+
+    dims = tuple(sorted(dims))
+    key = (mesh_identity(mesh), dims)
+    pg = _flat_groups.get(key)
+    if pg is None:
+        coord = mesh_coordinate(mesh)
+        ranks = [int(mesh.mesh[c].item()) for c in group_coords(tuple(mesh.shape), dims, coord)]
+        kwargs = {}
+        try:
+            default = dist.distributed_c10d._get_default_group()
+            kwargs["timeout"] = default._get_backend(torch.device(mesh.device_type)).options._timeout
+        except Exception:  # an unusual backend: PyTorch's default timeout
+            pass
+        pg = _flat_groups[key] = dist.new_group(ranks, use_local_synchronization=True, **kwargs)
+    return pg
 
 
 _pgs: dict[tuple[int, int], tuple] = {}
@@ -85,13 +138,23 @@ def _eager_group(mesh: DeviceMesh, mesh_dim: int, x: torch.Tensor):
     key = (id(mesh), mesh_dim)
     hit = _pgs.get(key)
     if hit is None or hit[0]() is not mesh:
-        return _cache_put(_pgs, key, mesh, mesh.get_group(mesh_dim))
+        return _cache_put(_pgs, key, mesh, _process_group(mesh, mesh_dim))
     return hit[1]
 
 
-def _notify(kind: str, mesh_dim: int, nbytes: int, group_size: int) -> None:
+def _notify(kind: str, mesh_dim, nbytes: int, group_size: int, recv: int | None = None) -> None:
+    """Tell the observers (CommCounter) of one collective: its kind, the mesh dim (a tuple for a
+    flattened group), bytes this rank sends, and bytes it receives (by default what the kind's
+    ring algorithm receives; all_to_all passes its own)."""
+    if recv is None:
+        recv = _RECV.get(kind, lambda b, n: b)(nbytes, group_size)
     for observer in _observers:
-        observer(kind, mesh_dim, nbytes, group_size)
+        observer(kind, mesh_dim, nbytes, group_size, recv)
+
+
+#: bytes received per rank from bytes sent, by kind (all_gather and reduce_scatter are symmetric;
+#: a ring all_reduce receives what it sends)
+_RECV = {"broadcast": lambda b, n: b}
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -114,6 +177,17 @@ def mesh_coordinate(mesh: DeviceMesh) -> tuple[int, ...]:
 
 def mesh_dim_rank(mesh: DeviceMesh, mesh_dim: int) -> int:
     return mesh_coordinate(mesh)[mesh_dim]
+
+
+def group_rank(mesh: DeviceMesh, mesh_dim) -> int:
+    """This rank's index in the group of one mesh dim, or of a tuple of mesh dims flattened."""
+    coord = mesh_coordinate(mesh)
+    if not isinstance(mesh_dim, tuple):
+        return coord[mesh_dim]
+    r = 0
+    for d in sorted(mesh_dim):
+        r = r * mesh.size(d) + coord[d]
+    return r
 
 
 def world_rank() -> int:
@@ -177,10 +251,10 @@ def all_to_all(
     """``all_to_all_single`` along dim 0 of ``x`` with the given (possibly uneven) splits."""
     name, n = _group(mesh, mesh_dim)
     if _observers:
-        me = mesh_dim_rank(mesh, mesh_dim)
-        row = _nbytes(x) // max(x.shape[0], 1) if x.dim() else _nbytes(x)
+        me = group_rank(mesh, mesh_dim)
+        row = x.element_size() * (x[0].numel() if x.dim() and x.shape[0] else math.prod(x.shape[1:]))
         sent = (sum(input_split_sizes) - input_split_sizes[me]) * row
-        _notify("all_to_all", mesh_dim, sent, n)
+        _notify("all_to_all", mesh_dim, sent, n, (sum(output_split_sizes) - output_split_sizes[me]) * row)
     x = x.contiguous()
     pg = _eager_group(mesh, mesh_dim, x)
     if pg is not None:
@@ -193,7 +267,7 @@ def all_to_all(
 def broadcast(x: torch.Tensor, src_index: int, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
     """Every rank gets the ``x`` of the rank at index ``src_index`` along ``mesh_dim``."""
     name, n = _group(mesh, mesh_dim)
-    if _observers and mesh_dim_rank(mesh, mesh_dim) != src_index:
+    if _observers and group_rank(mesh, mesh_dim) != src_index:
         _notify("broadcast", mesh_dim, _nbytes(x), n)
     return _fc.wait_tensor(_fc.broadcast(x.contiguous(), src_index, name))
 

@@ -27,9 +27,16 @@ __all__ = ["CommCounter", "CommRecord", "CopyCounter", "explain", "plan_log", "v
 class CommRecord:
     op: str  # the aten op being dispatched, or "<redistribute>" for explicit redistribute calls
     kind: str  # all_gather | reduce_scatter | all_reduce | all_to_all | broadcast
-    mesh_dim: int
+    mesh_dim: int | tuple  # a tuple of mesh dims for a collective over their flattened group
     nbytes: int  # bytes this rank sends (ARCHITECTURE.md accounting)
     group_size: int
+    recv_bytes: int = 0  # bytes this rank receives
+
+
+def _dims_text(mesh_dim) -> str:
+    if isinstance(mesh_dim, tuple):
+        return "mesh dims " + "x".join(str(d) for d in mesh_dim) + " (flattened)"
+    return f"mesh dim {mesh_dim}"
 
 
 class CommCounter:
@@ -48,8 +55,9 @@ class CommCounter:
         self._stack: list[str] = []
         self._handles: list = []
 
-    def _observe(self, kind: str, mesh_dim: int, nbytes: int, group_size: int) -> None:
-        self.records.append(CommRecord(_trace.current_op[0], kind, mesh_dim, nbytes, group_size))
+    def _observe(self, kind: str, mesh_dim, nbytes: int, group_size: int, recv: int | None = None) -> None:
+        self.records.append(CommRecord(_trace.current_op[0], kind, mesh_dim, nbytes, group_size,
+                                       nbytes if recv is None else recv))
         self.modules.append(self._stack[-1] if self._stack else "<outside module forwards>" if self._module else "")
 
     def __enter__(self) -> "CommCounter":
@@ -97,6 +105,10 @@ class CommCounter:
             if (kind is None or r.kind == kind) and (mesh_dim is None or r.mesh_dim == mesh_dim)
         )
 
+    def received(self, kind: str | None = None) -> int:
+        """Bytes this rank received (all_to_all: exactly its segments from the others)."""
+        return sum(r.recv_bytes for r in self.records if kind is None or r.kind == kind)
+
     def kinds(self) -> list[str]:
         return [r.kind for r in self.records]
 
@@ -116,7 +128,7 @@ class CommCounter:
         if not agg:
             return "no collectives"
         return "\n".join(
-            f"{op}: {kind} x{n} on mesh dim {md}, {b} bytes" for (op, kind, md), (n, b) in agg.items()
+            f"{op}: {kind} x{n} on {_dims_text(md)}, {b} bytes" for (op, kind, md), (n, b) in agg.items()
         )
 
 

@@ -24,6 +24,7 @@ redistributes the gradient back to the source placements (the dual collective).
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Sequence
@@ -33,10 +34,12 @@ import torch
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from dtshard import collectives as C
+from dtshard import layout as L
 from dtshard._trace import copy_observers, note_copy
-from dtshard.spec import DTensorSpec, _itemsize, chunk_range, chunk_sizes, placement_str, placements_str
+from dtshard.spec import (DTensorSpec, _itemsize, chunk_range, chunk_sizes, local_shape_and_offset, placement_equal,
+                          placement_str, placements_str)
 
-__all__ = ["Step", "plan", "plan_text", "redistribute_local", "transition_cost"]
+__all__ = ["Step", "GroupStep", "plan", "plan_text", "redistribute_local", "transition_cost"]
 
 _R = Replicate()
 
@@ -52,6 +55,34 @@ class Step:
 
     def __str__(self) -> str:
         return f"mesh dim {self.mesh_dim}: {placement_str(self.src)} -> {placement_str(self.dst)} {self.kind}"
+
+
+@dataclass(frozen=True)
+class GroupStep:
+    """One collective over the flattened group of several mesh dims (``collectives.flat_group``)
+    that changes the placements of all of them at once: ``src`` and ``dst`` are whole states.
+
+    ``all_reduce``: Partial on every dim of ``mesh_dims`` -> Replicate (one reduction, one latency);
+    ``reduce_scatter``: Partial on them -> Shard(d) on all of them (nested in mesh order);
+    ``exchange``: any Shard/Replicate layout -> any other, as one ``all_to_all`` with per-rank split
+    sizes in which each rank receives exactly what its new shard lacks (``dtshard.layout``).
+    ``cost``: bytes received by the rank that receives most (the same number on every rank).
+    """
+
+    mesh_dims: tuple[int, ...]
+    src: tuple[Placement, ...]
+    dst: tuple[Placement, ...]
+    kind: str
+    cost: float
+
+    @property
+    def mesh_dim(self):
+        return self.mesh_dims
+
+    def __str__(self) -> str:
+        dims = "x".join(str(d) for d in self.mesh_dims)
+        return (f"mesh dims {dims} (flattened): {placements_str(self.src)} -> {placements_str(self.dst)} "
+                f"{self.kind}")
 
 
 def _step_kind(src: Placement, dst: Placement) -> str | None:
@@ -120,7 +151,8 @@ _plan_cache: dict[tuple, tuple[Step, ...]] = {}
 
 
 def plan(spec: DTensorSpec, dst: Sequence[Placement]) -> tuple[Step, ...]:
-    """The cheapest legal sequence of single-mesh-dim steps from ``spec.placements`` to ``dst``."""
+    """The cheapest legal sequence of steps from ``spec.placements`` to ``dst``: single-mesh-dim
+    steps (:class:`Step`) and, on N-D meshes, steps over flattened groups (:class:`GroupStep`)."""
     src = tuple(spec.placements)
     dst = tuple(dst)
     key = (src, dst, spec.shape, spec.mesh_shape, spec.dtype)
@@ -138,6 +170,13 @@ def plan(spec: DTensorSpec, dst: Sequence[Placement]) -> tuple[Step, ...]:
             steps = (Step(0, src[0], _R, _step_kind(src[0], _R)), Step(0, _R, dst[0], _step_kind(_R, dst[0])))
         _plan_cache[key] = steps
         return steps
+    steps = _best_plan(spec, src, dst)
+    _plan_cache[key] = steps
+    return steps
+
+
+def _dijkstra(spec: DTensorSpec, src: tuple, dst: tuple) -> tuple[Step, ...]:
+    """The cheapest sequence of single-mesh-dim steps (ValueError when there is none)."""
     shape, mesh_shape, itemsize = spec.shape, spec.mesh_shape, _itemsize(spec.dtype)
     cands = _candidates(src, dst)
     # Dijkstra over placement states (tuples of placements)
@@ -147,7 +186,6 @@ def plan(spec: DTensorSpec, dst: Sequence[Placement]) -> tuple[Step, ...]:
     while heap:
         cost, _, state, steps = heapq.heappop(heap)
         if state == dst:
-            _plan_cache[key] = steps
             return steps
         if cost > best.get(state, float("inf")):
             continue
@@ -168,6 +206,116 @@ def plan(spec: DTensorSpec, dst: Sequence[Placement]) -> tuple[Step, ...]:
         f"redistribute: no legal path from {placements_str(src)} to {placements_str(dst)} "
         f"for a tensor of shape {tuple(shape)} on a mesh of shape {tuple(mesh_shape)}"
     )
+
+
+def _steps_cost(spec: DTensorSpec, steps) -> float:
+    total = 0.0
+    state = list(spec.placements)
+    itemsize = _itemsize(spec.dtype)
+    for s in steps:
+        if isinstance(s, GroupStep):
+            total += s.cost
+            state = list(s.dst)
+        else:
+            total += _step_cost(spec.shape, spec.mesh_shape, tuple(state), s.mesh_dim, s.dst, itemsize)
+            state[s.mesh_dim] = s.dst
+    return total
+
+
+def _best_plan(spec: DTensorSpec, src: tuple, dst: tuple) -> tuple:
+    """The cheaper of the single-mesh-dim plan and the plans with steps over flattened groups
+    (a reduction over all Partial dims at once, then an exchange); single-dim steps win ties (the
+    plain collectives need no per-atom packing)."""
+    try:
+        steps = _dijkstra(spec, src, dst)
+        best = (_steps_cost(spec, steps), steps)
+    except ValueError:
+        best = None
+    for cand in _group_plans(spec, src, dst):
+        c = _steps_cost(spec, cand)
+        if best is None or c < best[0] * (1 - 1e-6) - 1.0:
+            best = (c, cand)
+    if best is None:
+        raise ValueError(
+            f"redistribute: no legal path from {placements_str(src)} to {placements_str(dst)} "
+            f"for a tensor of shape {tuple(spec.shape)} on a mesh of shape {tuple(spec.mesh_shape)}")
+    return best[1]
+
+
+def _partials_to_reduce(src: tuple, dst: tuple) -> list[int]:
+    """Mesh dims whose Partial the transition must reduce (not kept as the same Partial)."""
+    return [i for i, p in enumerate(src) if isinstance(p, Partial) and not placement_equal(p, dst[i])]
+
+
+def _group_plans(spec: DTensorSpec, src: tuple, dst: tuple) -> list[tuple]:
+    """Candidate plans built from GroupSteps (none on a 1-D mesh: single steps are optimal)."""
+    if len(src) < 2:
+        return []
+    red = _partials_to_reduce(src, dst)
+    out = []
+    if not red:
+        ex = _exchange_steps(spec, src, dst)
+        if ex is not None:
+            out.append(ex)
+        return out
+    ops = {src[i].reduce_op for i in red}
+    if len(ops) != 1:
+        return out  # reductions of different ops do not commute: one mesh dim at a time
+    op = ops.pop()
+    for mid, step in _reductions(spec, src, tuple(red), op):
+        if mid == dst:
+            out.append((step,))
+            continue
+        rest = _exchange_steps(spec, mid, dst)
+        if rest is not None:
+            out.append((step, *rest))
+        try:
+            out.append((step, *_dijkstra(spec, mid, dst)))
+        except ValueError:
+            pass
+    return out
+
+
+def _reductions(spec: DTensorSpec, src: tuple, red: tuple, op: str):
+    """(state after, GroupStep) for one reduction of the Partial dims ``red`` (flattened): an
+    all_reduce to Replicate, or a reduce_scatter onto each tensor dim it may legally shard."""
+    itemsize = _itemsize(spec.dtype)
+    local = _local_numel(spec.shape, spec.mesh_shape, src) * itemsize
+    k = 1
+    for i in red:
+        k *= spec.mesh_shape[i]
+    mid = tuple(_R if i in red else p for i, p in enumerate(src))
+    yield mid, GroupStep(red, src, mid, "all_reduce", 2 * (k - 1) * local / k)
+    for d in range(len(spec.shape)):
+        # the new shards nest after every mesh dim already sharding d (spec.py's convention)
+        if any(isinstance(p, Shard) and p.dim == d and i > red[0] for i, p in enumerate(src)):
+            continue
+        mid = tuple(Shard(d) if i in red else p for i, p in enumerate(src))
+        yield mid, GroupStep(red, src, mid, "reduce_scatter", (k - 1) * local / k)
+
+
+def _exchange_steps(spec: DTensorSpec, src: tuple, dst: tuple):
+    """``(GroupStep,)`` for an exchange from ``src`` to ``dst`` (Shard/Replicate changes; Partial
+    dims must be equal in both and stay outside the group), over the smallest group of mesh
+    dims that holds everything its members need; None when impossible or a no-op."""
+    from dtshard.layout import exchange_cost
+
+    if src == dst:
+        return None
+    pdims = [i for i, p in enumerate(src) if isinstance(p, Partial)]
+    if any(not placement_equal(src[i], dst[i]) for i in pdims) or any(
+            isinstance(p, Partial) and i not in pdims for i, p in enumerate(dst)):
+        return None
+    free = [i for i in range(len(src)) if i not in pdims]
+    changed = [i for i in free if not placement_equal(src[i], dst[i])]
+    mesh_shape = spec.mesh_shape
+    for extra in range(len(free) - len(changed) + 1):
+        for more in itertools.combinations([i for i in free if i not in changed], extra):
+            dims = tuple(sorted(changed + list(more)))
+            cost = exchange_cost(spec.shape, mesh_shape, src, dst, dims)
+            if cost is not None:
+                return (GroupStep(dims, src, dst, "exchange", float(cost * _itemsize(spec.dtype))),)
+    return None
 
 
 def _cost_1d(shape, n: int, src: Placement, dst: Placement, itemsize: int) -> float:
@@ -204,15 +352,7 @@ def transition_cost(spec: DTensorSpec, dst: Sequence[Placement]) -> float:
         return 0.0
     if len(dst) == 1:  # one mesh dim (the common case on a cache miss): plan()'s steps, priced inline
         return _cost_1d(spec.shape, spec.mesh_shape[0], src[0], dst[0], _itemsize(spec.dtype))
-    steps = plan(spec, dst)
-    total = 0.0
-    if steps:
-        state = list(spec.placements)
-        itemsize = _itemsize(spec.dtype)
-        for s in steps:
-            total += _step_cost(spec.shape, spec.mesh_shape, tuple(state), s.mesh_dim, s.dst, itemsize)
-            state[s.mesh_dim] = s.dst
-    return total
+    return _steps_cost(spec, plan(spec, dst))
 
 
 def plan_text(spec: DTensorSpec, dst: Sequence[Placement]) -> str:
@@ -297,16 +437,20 @@ def _note_padding(spec: DTensorSpec, dim: int, sizes) -> None:
 
 
 def _reduce_scatter(x, spec, i, me, op, d):
-    n = spec.mesh_shape[i]
-    sizes = chunk_sizes(x.shape[d], n)
-    block, mine = sizes[0], sizes[me]
+    return _reduce_scatter_sizes(x, spec, i, me, op, d, chunk_sizes(x.shape[d], spec.mesh_shape[i]))
+
+
+def _reduce_scatter_sizes(x, spec, group, me, op, d, sizes):
+    """Reduce ``x`` over ``group`` (a mesh dim, or a tuple of them flattened); member ``g`` keeps
+    the ``sizes[g]`` rows of dim ``d`` that follow the previous members' (shards nest in order)."""
+    block, mine = max(sizes), sizes[me]
     if x.numel() == 0:
         return x.new_zeros(_with(x.shape, d, mine))
     if d == 0 and all(s == block for s in sizes):
-        return C.reduce_scatter(x, op, spec.mesh, i)
+        return C.reduce_scatter(x, op, spec.mesh, group)
     # the packed rows are passed without keeping a name for them here: the collective drops
     # its reference once the backend has the data, so the buffer does not outlive the wait
-    out = C.reduce_scatter(_packed_rows(x, d, sizes, block), op, spec.mesh, i)
+    out = C.reduce_scatter(_packed_rows(x, d, sizes, block), op, spec.mesh, group)
     out = out.view(_with(x.shape, d, block))
     if mine != block:
         out = _copied("slice", K.slice_copy(out, d, 0, mine))
@@ -375,6 +519,55 @@ def _run_step(x: torch.Tensor, spec: DTensorSpec, state: list, step: Step, coord
     raise AssertionError(f"unknown step kind {kind}")
 
 
+def _run_group_step(x: torch.Tensor, spec: DTensorSpec, step: GroupStep, coord) -> torch.Tensor:
+    dims = step.mesh_dims
+    if step.kind == "all_reduce":
+        return C.all_reduce(x, step.src[dims[0]].reduce_op, spec.mesh, dims)
+    if step.kind == "reduce_scatter":
+        d = step.dst[dims[0]].dim
+        sizes = [local_shape_and_offset(spec.shape, spec.mesh_shape, step.dst, c)[0][d]
+                 for c in L.group_coords(spec.mesh_shape, dims, coord)]
+        return _reduce_scatter_sizes(x, spec, dims, C.group_rank(spec.mesh, dims), step.src[dims[0]].reduce_op,
+                                     d, sizes)
+    if step.kind == "exchange":
+        return _exchange(x, spec, step, coord)
+    raise AssertionError(f"unknown group step kind {step.kind}")
+
+
+_exchange_plans: dict = {}
+
+
+def _exchange(x: torch.Tensor, spec: DTensorSpec, step: GroupStep, coord) -> torch.Tensor:
+    """One all_to_all over the flattened group: each rank sends each peer exactly the atoms the
+    peer lacks and it holds (dtshard.layout), and copies what it keeps."""
+    key = (spec.shape, spec.mesh_shape, step.src, step.dst, step.mesh_dims, coord)
+    ep = _exchange_plans.get(key)
+    if ep is None:
+        ep = _exchange_plans[key] = L.exchange_plan(spec.shape, spec.mesh_shape, step.src, step.dst,
+                                                    step.mesh_dims, coord)
+    out = x.new_empty(ep.dst_shape)
+    for t in ep.keeps:
+        _region(out, t.dst_slices).copy_(_region(x, t.src_slices))
+    if not ep.any_traffic:  # the same answer on every member of the group
+        return out
+    pieces = [_region(x, t.src_slices).reshape(-1) for ts in ep.sends for t in ts]
+    send = torch.cat(pieces) if pieces else x.new_empty(0)
+    recv = C.all_to_all(send, ep.recv_sizes(), ep.send_sizes(), spec.mesh, step.mesh_dims)
+    off = 0
+    for ts in ep.recvs:
+        for t in ts:
+            _region(out, t.dst_slices).copy_(recv[off:off + t.numel].view([n for _, n in t.dst_slices]))
+            off += t.numel
+    return out
+
+
+def _region(t: torch.Tensor, slices) -> torch.Tensor:
+    for d, (start, length) in enumerate(slices):
+        if start != 0 or length != t.shape[d]:
+            t = t.narrow(d, start, length)
+    return t
+
+
 def redistribute_local(x: torch.Tensor, spec: DTensorSpec, dst: Sequence[Placement]) -> torch.Tensor:
     """Run the planned transition on this rank's local tensor ``x`` (no autograd)."""
     steps = plan(spec, dst)
@@ -383,6 +576,10 @@ def redistribute_local(x: torch.Tensor, spec: DTensorSpec, dst: Sequence[Placeme
     coord = C.mesh_coordinate(spec.mesh)
     state = list(spec.placements)
     for step in steps:
+        if isinstance(step, GroupStep):
+            x = _run_group_step(x, spec, step, coord)
+            state = list(step.dst)
+            continue
         x = _run_step(x, spec, state, step, coord)
         state[step.mesh_dim] = step.dst
     return x
