@@ -385,8 +385,9 @@ def _register_with_dynamo() -> None:
     # SKIP for the frame AND for every frame it calls: Dynamo's own ``skip_code`` skips only the
     # frame itself, and then compiles each function it calls (propagate, DTensor.__new__, ...) as
     # a frame of its own, with graph breaks whose resume functions see half-built DTensors.
-    # PyTorch's DTensor gets the same from ``torch._disable_dynamo`` on ``__torch_dispatch__`` and
-    # ``__new__``; the code strategy costs nothing on the eager path (no wrapper per call).
+    # PyTorch's DTensor dispatches and constructs in C++ (no Python frames) and wraps its other
+    # entry points in ``torch._disable_dynamo`` (recursive too); a code strategy does the same
+    # without a wrapper to call on every eager op.
     skip_recursively = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
     for fn in _runtime_entry_points():
         set_code_exec_strategy(getattr(fn, "__func__", fn).__code__, skip_recursively)
@@ -401,18 +402,20 @@ def _runtime_entry_points() -> list:
     eagerly with Dynamo's frame hook still installed, so every Python frame it enters is a
     candidate for compilation: the dispatcher (each DTensor op re-enters ``__torch_dispatch__``),
     the tensor constructor and the subclass protocol (AOTAutograd's runtime wrappers rebuild
-    DTensors from their inner tensors), and the backward of dtshard's autograd Functions and its
-    gradient hook (the autograd engine calls them).  Compiled, they would add frames and graph
-    breaks the same program on plain tensors does not have (and Dynamo recompiles the dispatcher
-    for every op until its recompile limit).  They are skipped, with everything they call; when a
-    graph IS traced, Dynamo inlines these functions as before (frame strategies only decide what
-    happens to frames that run, not what the tracer inlines)."""
+    DTensors from their inner tensors and compare specs with ``==``), and the backward of
+    dtshard's autograd Functions and its gradient hook (the autograd engine calls them).
+    Compiled, they would add frames and graph breaks that the same program on plain tensors does
+    not have, or fail (a resume function inside ``__new__`` sees a DTensor without ``_spec``).
+    They are skipped, with everything they call.  When a graph IS traced, Dynamo inlines these
+    functions as before: frame strategies decide what happens to frames that run, not what the
+    tracer inlines."""
     from dtshard import dispatch as _dispatch
 
     return [
         DTensor.__torch_dispatch__, _dispatch.dispatch, _dispatch._dispatch_general,
         DTensor.__new__, DTensor.__tensor_flatten__, DTensor.__tensor_unflatten__,
         DTensor.__coerce_same_metadata_as_tangent__, DTensor.__coerce_tangent_metadata__,
+        DTensorSpec.__eq__, DTensorSpec.__hash__,
         _FromLocal.backward, _ToLocal.backward, _Redistribute.backward, _settle_grad,
     ]
 

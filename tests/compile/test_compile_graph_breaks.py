@@ -3,20 +3,20 @@
 A training step ``loss = model(x).sum(); loss.backward()`` compiled with the default
 ``fullgraph=False`` breaks its graph at ``loss.backward()`` (Dynamo does not trace it unless
 ``trace_autograd_ops`` is on); the cases below add a second break inside the model's forward
-(``torch._dynamo.graph_break()``, or a ``print``).  The breaking call runs eagerly under Dynamo's
-frame hook, and on DTensors it runs dtshard's Python code (the dispatcher, ``DTensor.__new__``,
-AOTAutograd's subclass protocol, the autograd Functions' backward, the gradient hook): none of
-it may be compiled as frames of its own (it was, and failed in a resume function inside
-``DTensor.__new__``: "'DTensor' object has no attribute '_spec'", or in ``propagate`` on a
-SymInt).
+(``torch._dynamo.graph_break()``, a ``print``, a call to a ``torch.compiler.disable``d function
+working on the local shards).  The breaking call runs eagerly under Dynamo's frame hook, and on
+DTensors it runs dtshard's Python code (the dispatcher, ``DTensor.__new__``, AOTAutograd's
+subclass protocol, the autograd Functions' backward, the gradient hook): none of it may reach
+Dynamo as frames of its own (it did, and failed in a resume function inside ``DTensor.__new__``:
+"'DTensor' object has no attribute '_spec'", or in ``propagate`` on a SymInt).
 
 Each case trains the same tiny MLP for a few SGD steps three ways on each of 2 ranks: compiled
-plain tensors (the reference for the graph breaks: one rank's own single-process model),
-eager dtshard, and compiled dtshard; the graph breaks (reasons and counts) and the frames compiled
-must be those of the plain model, and the losses and gradients those of the plain model and of
-eager dtshard, every step.  Layouts: tensor parallel (Colwise then Rowwise) and data parallel
-(replicated weights, batch sharded: the gradients are Partial and reduced by dtshard's
-post-accumulate hook).
+plain tensors (the reference for the graph breaks: each rank's own single-process model), eager
+dtshard, and compiled dtshard.  The graph breaks (reasons and counts) and the frames compiled
+must be those of the plain model, no dtshard function may be handed to Dynamo's frame hook, and
+the losses and gradients must be those of the plain model and of eager dtshard, every step.
+Layouts: tensor parallel (Colwise then Rowwise) and data parallel (replicated weights, batch
+sharded: the gradients are Partial and reduced by dtshard's post-accumulate hook).
 """
 
 from __future__ import annotations
@@ -35,6 +35,16 @@ _STEPS = 3
 _LR = 0.1
 
 
+@torch.compiler.disable
+def _relu_on_shards(h):
+    """ReLU on this rank's shard, run eagerly, as a custom kernel on local tensors would be: the
+    ``to_local``/``from_local`` pair runs outside any graph, and its backward (dtshard's autograd
+    Functions) runs inside the compiled step's ``loss.backward()``."""
+    if hasattr(h, "to_local"):
+        return type(h).from_local(torch.relu(h.to_local()), h.device_mesh, h.placements)
+    return torch.relu(h)
+
+
 class _MLP(nn.Module):
     """Linear - ReLU - Linear, with an optional graph break between the two layers."""
 
@@ -46,7 +56,10 @@ class _MLP(nn.Module):
         self.log = io.StringIO()
 
     def forward(self, x):
-        h = torch.relu(self.up(x))
+        if self.brk == "disable":  # Dynamo does not trace a disabled function: a graph break
+            h = _relu_on_shards(self.up(x))
+        else:
+            h = torch.relu(self.up(x))
         if self.brk == "graph_break":
             torch._dynamo.graph_break()
         elif self.brk == "print":
@@ -80,12 +93,24 @@ def _train(model, x, step) -> dict:
 
 
 def _compiled(model, x, backend: str) -> dict:
-    """``_train`` with ``_step`` compiled (default ``fullgraph=False``), and what Dynamo did."""
+    """``_train`` with ``_step`` compiled (default ``fullgraph=False``), and what Dynamo did:
+    the frames compiled into graphs, the graph breaks, and the dtshard functions among the frames
+    its frame hook was handed (to compile, or to look at and skip)."""
+    import os
+
+    from torch._dynamo.convert_frame import input_codes  # every code object the hook was handed
+
+    import dtshard
+
     _reset()
     cnt = _counter(backend, [])
     res = _train(model, x, torch.compile(_step, backend=cnt))
     res["frames"] = cnt.frame_count
     res["breaks"] = _graph_breaks()
+    root = os.path.dirname(dtshard.__file__)
+    codes = [ref() for ref in input_codes.seen]
+    res["dtshard_frames"] = sorted({f"{c.co_filename[len(root) + 1:]}:{c.co_name}" for c in codes
+                                    if c is not None and c.co_filename.startswith(root + os.sep)})
     return res
 
 
@@ -120,6 +145,7 @@ def _check(res) -> None:
     plain, eager, compiled = res["plain"], res["eager"], res["compiled"]
     assert compiled["breaks"] == plain["breaks"], (compiled["breaks"], plain["breaks"])
     assert compiled["frames"] == plain["frames"], f"{compiled['frames']} frames, plain: {plain['frames']}"
+    assert compiled["dtshard_frames"] == [], f"Dynamo's frame hook ran on {compiled['dtshard_frames']}"
     assert sum(plain["breaks"].values()) >= 1  # the case does break its graph
     for other in (eager, plain):
         torch.testing.assert_close(compiled["losses"], other["losses"], rtol=1e-5, atol=1e-6)
@@ -134,6 +160,7 @@ _CASES = [
     ("tp", "print", "aot_eager"),
     ("dp", "none", "aot_eager"),
     ("dp", "graph_break", "aot_eager"),
+    ("dp", "disable", "aot_eager"),
     ("tp", "graph_break", "inductor"),
 ]
 
