@@ -407,22 +407,52 @@ def _register_with_dynamo() -> None:
     """What torch.compile needs from dtshard, set up once ``torch._dynamo`` is imported:
 
     - ``from_local`` with grad is one graph node (see :func:`_from_local_in_graph`);
-    - the dispatcher's frames are never compiled by Dynamo: when a compiled function breaks its
-      graph (``torch.optim`` does on purpose), the rest runs eagerly and DTensor ops re-enter
-      ``__torch_dispatch__``, which Dynamo would otherwise try to trace and recompile for every
-      op until its recompile limit (PyTorch's DTensor wraps its dispatch in
-      ``torch._disable_dynamo``; ``skip_code`` does the same without a wrapper on the eager path);
+    - dtshard's runtime is never compiled by Dynamo as frames of its own (see
+      :func:`_runtime_entry_points`);
     - rules for the prims Dynamo rewrites ops into (``prims.fma``).
     """
-    from torch._dynamo.eval_frame import skip_code
+    from torch._dynamo.eval_frame import set_code_exec_strategy
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
 
-    from dtshard import dispatch as _dispatch
     from dtshard.rules.pointwise import register_compile_prims
 
     torch.compiler.allow_in_graph(_from_local_in_graph)
-    for fn in (DTensor.__torch_dispatch__, _dispatch.dispatch, _dispatch._dispatch_general):
-        skip_code(getattr(fn, "__func__", fn).__code__)
+    # SKIP for the frame AND for every frame it calls: Dynamo's own ``skip_code`` skips only the
+    # frame itself, and then compiles each function it calls (propagate, DTensor.__new__, ...) as
+    # a frame of its own, with graph breaks whose resume functions see half-built DTensors.
+    # PyTorch's DTensor dispatches and constructs in C++ (no Python frames) and wraps its other
+    # entry points in ``torch._disable_dynamo`` (recursive too); a code strategy does the same
+    # without a wrapper to call on every eager op.
+    skip_recursively = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+    for fn in _runtime_entry_points():
+        set_code_exec_strategy(getattr(fn, "__func__", fn).__code__, skip_recursively)
     register_compile_prims()
+
+
+def _runtime_entry_points() -> list:
+    """The dtshard functions that PyTorch's runtime calls while no graph is being traced.
+
+    When a compiled function breaks its graph (``loss.backward()``, ``print``, an explicit
+    ``torch._dynamo.graph_break()``, ``torch.optim``'s deliberate break), the breaking call runs
+    eagerly with Dynamo's frame hook still installed, so every Python frame it enters is a
+    candidate for compilation: the dispatcher (each DTensor op re-enters ``__torch_dispatch__``),
+    the tensor constructor and the subclass protocol (AOTAutograd's runtime wrappers rebuild
+    DTensors from their inner tensors and compare specs with ``==``), and the backward of
+    dtshard's autograd Functions and its gradient hook (the autograd engine calls them).
+    Compiled, they would add frames and graph breaks that the same program on plain tensors does
+    not have, or fail (a resume function inside ``__new__`` sees a DTensor without ``_spec``).
+    They are skipped, with everything they call.  When a graph IS traced, Dynamo inlines these
+    functions as before: frame strategies decide what happens to frames that run, not what the
+    tracer inlines."""
+    from dtshard import dispatch as _dispatch
+
+    return [
+        DTensor.__torch_dispatch__, _dispatch.dispatch, _dispatch._dispatch_general,
+        DTensor.__new__, DTensor.__tensor_flatten__, DTensor.__tensor_unflatten__,
+        DTensor.__coerce_same_metadata_as_tangent__, DTensor.__coerce_tangent_metadata__,
+        DTensorSpec.__eq__, DTensorSpec.__hash__,
+        _FromLocal.backward, _ToLocal.backward, _Redistribute.backward, _settle_grad,
+    ]
 
 
 class _OnDynamoImport:
