@@ -25,7 +25,8 @@ from torch.distributed.tensor.placement_types import Partial, Placement
 
 from dtshard.spec import local_shape_and_offset
 
-__all__ = ["Box", "rank_box", "group_coords", "ExchangePlan", "exchange_plan", "lacking_elements"]
+__all__ = ["Box", "rank_box", "box_numel", "group_coords", "ExchangePlan", "exchange_plan", "exchange_costs",
+           "lacking_elements"]
 
 Box = tuple[tuple[int, int], ...]  # (start, stop) per tensor dim
 
@@ -175,10 +176,11 @@ def exchange_plan(shape, mesh_shape, src, dst, dims: Sequence[int], coord) -> Ex
     return ExchangePlan(me, dst_shape, tuple(map(tuple, sends)), tuple(map(tuple, recvs)), tuple(keeps), traffic)
 
 
-def exchange_cost(shape, mesh_shape, src, dst, dims: Sequence[int]) -> int | None:
-    """Max over all ranks of the elements received in the exchange over ``dims`` (the same on
-    every rank: computed for every group of the mesh); None if some group cannot do it alone."""
-    worst = 0
+def exchange_costs(shape, mesh_shape, src, dst, dims: Sequence[int]) -> tuple[int, ...] | None:
+    """Elements each rank (by mesh coordinate, row-major) receives in the exchange over ``dims``
+    (the same answer on every rank: computed for every group of the mesh); None if some group
+    cannot do it alone."""
+    got_by_coord = {}
     others = [d for d in range(len(mesh_shape)) if d not in dims]
     for outer in itertools.product(*(range(mesh_shape[d]) for d in others)):
         coord = [0] * len(mesh_shape)
@@ -187,10 +189,10 @@ def exchange_cost(shape, mesh_shape, src, dst, dims: Sequence[int]) -> int | Non
         got = _group_assignment(tuple(shape), tuple(mesh_shape), tuple(src), tuple(dst), tuple(dims), tuple(coord))
         if got is None:
             return None
-        _, _, _, needs = got
+        members, _, _, needs = got
         for q, lst in enumerate(needs):
-            worst = max(worst, sum(box_numel(a) for a, p in lst if p != q))
-    return worst
+            got_by_coord[members[q]] = sum(box_numel(a) for a, p in lst if p != q)
+    return tuple(got_by_coord[c] for c in itertools.product(*(range(n) for n in mesh_shape)))
 
 
 def partial_dims(placements: Sequence[Placement]) -> list[int]:

@@ -73,7 +73,11 @@ class GroupStep:
     src: tuple[Placement, ...]
     dst: tuple[Placement, ...]
     kind: str
-    cost: float
+    costs: tuple[float, ...]  # bytes each rank receives, by mesh coordinate (row-major)
+
+    @property
+    def cost(self) -> float:
+        return max(self.costs)
 
     @property
     def mesh_dim(self):
@@ -124,6 +128,15 @@ def _local_numel(shape: Sequence[int], mesh_shape: Sequence[int], state: Sequenc
     return n
 
 
+def _local_len(shape, mesh_shape, state, d) -> int:
+    """Length of tensor dim ``d`` in the largest local shard (coordinate 0 holds the largest)."""
+    n = shape[d]
+    for i, p in enumerate(state):
+        if isinstance(p, Shard) and p.dim == d:
+            n = chunk_range(n, mesh_shape[i], 0)[1]
+    return n
+
+
 def _step_cost(shape, mesh_shape, state, i, dst, itemsize) -> float:
     """Bytes this rank receives for the step (plus a small charge for local-only work)."""
     local = _local_numel(shape, mesh_shape, state) * itemsize
@@ -134,7 +147,10 @@ def _step_cost(shape, mesh_shape, state, i, dst, itemsize) -> float:
     if kind == "all_reduce":
         return 2 * (n - 1) * local / n
     if kind in ("reduce_scatter", "all_to_all"):
-        return (n - 1) * local / n
+        # a rank receives n-1 pieces the size of the one it keeps: the largest, ceil(len / n)
+        # of the tensor dim being split (which is not n-way even when the dim is uneven)
+        d = dst.dim
+        return _split_cost(local, _local_len(shape, mesh_shape, state, d), n)
     # local-only steps: charge a little so that plans without them win ties
     return 0.01 * local + 1.0
 
@@ -209,17 +225,24 @@ def _dijkstra(spec: DTensorSpec, src: tuple, dst: tuple) -> tuple[Step, ...]:
 
 
 def _steps_cost(spec: DTensorSpec, steps) -> float:
-    total = 0.0
+    """Bytes received by the rank that receives most over the whole plan (group steps know
+    each rank's share; a single-mesh-dim step is priced by its largest shard, for every rank)."""
+    flat = 0.0
+    per_rank = None
     state = list(spec.placements)
     itemsize = _itemsize(spec.dtype)
     for s in steps:
         if isinstance(s, GroupStep):
-            total += s.cost
+            per_rank = list(s.costs) if per_rank is None else [a + b for a, b in zip(per_rank, s.costs)]
             state = list(s.dst)
         else:
-            total += _step_cost(spec.shape, spec.mesh_shape, tuple(state), s.mesh_dim, s.dst, itemsize)
+            flat += _step_cost(spec.shape, spec.mesh_shape, tuple(state), s.mesh_dim, s.dst, itemsize)
             state[s.mesh_dim] = s.dst
-    return total
+    return flat + (max(per_rank) if per_rank else 0.0)
+
+
+def _all_coords(mesh_shape) -> list[tuple[int, ...]]:
+    return list(itertools.product(*(range(n) for n in mesh_shape)))
 
 
 def _best_plan(spec: DTensorSpec, src: tuple, dst: tuple) -> tuple:
@@ -259,10 +282,9 @@ def _group_plans(spec: DTensorSpec, src: tuple, dst: tuple) -> list[tuple]:
             out.append(ex)
         return out
     ops = {src[i].reduce_op for i in red}
-    if len(ops) != 1:
-        return out  # reductions of different ops do not commute: one mesh dim at a time
-    op = ops.pop()
-    for mid, step in _reductions(spec, src, tuple(red), op):
+    if len(ops) != 1 and not ops <= {"sum", "avg"}:
+        return out  # max/min mixed with other reductions do not commute: one mesh dim at a time
+    for mid, step in _reductions(spec, src, tuple(red)):
         if mid == dst:
             out.append((step,))
             continue
@@ -276,45 +298,58 @@ def _group_plans(spec: DTensorSpec, src: tuple, dst: tuple) -> list[tuple]:
     return out
 
 
-def _reductions(spec: DTensorSpec, src: tuple, red: tuple, op: str):
+def _reductions(spec: DTensorSpec, src: tuple, red: tuple):
     """(state after, GroupStep) for one reduction of the Partial dims ``red`` (flattened): an
-    all_reduce to Replicate, or a reduce_scatter onto each tensor dim it may legally shard."""
+    all_reduce to Replicate, or a reduce_scatter onto each tensor dim it may legally shard.  Sums
+    and averages mix (a sum over the group, scaled by 1/size of the averaged dims)."""
     itemsize = _itemsize(spec.dtype)
-    local = _local_numel(spec.shape, spec.mesh_shape, src) * itemsize
+    shape, mesh_shape = spec.shape, spec.mesh_shape
+    coords = _all_coords(mesh_shape)
     k = 1
     for i in red:
-        k *= spec.mesh_shape[i]
+        k *= mesh_shape[i]
     mid = tuple(_R if i in red else p for i, p in enumerate(src))
-    yield mid, GroupStep(red, src, mid, "all_reduce", 2 * (k - 1) * local / k)
+    ring = tuple(2 * (k - 1) / k * L.box_numel(L.rank_box(shape, mesh_shape, src, c)) * itemsize for c in coords)
+    yield mid, GroupStep(red, src, mid, "all_reduce", ring)
     for d in range(len(spec.shape)):
         # the new shards nest after every mesh dim already sharding d (spec.py's convention)
         if any(isinstance(p, Shard) and p.dim == d and i > red[0] for i, p in enumerate(src)):
             continue
         mid = tuple(Shard(d) if i in red else p for i, p in enumerate(src))
-        yield mid, GroupStep(red, src, mid, "reduce_scatter", (k - 1) * local / k)
+        # each rank receives the k-1 other terms of the piece it keeps (pieces may differ)
+        pieces = tuple((k - 1) * L.box_numel(L.rank_box(shape, mesh_shape, mid, c)) * itemsize for c in coords)
+        yield mid, GroupStep(red, src, mid, "reduce_scatter", pieces)
 
 
 def _exchange_steps(spec: DTensorSpec, src: tuple, dst: tuple):
     """``(GroupStep,)`` for an exchange from ``src`` to ``dst`` (Shard/Replicate changes; Partial
     dims must be equal in both and stay outside the group), over the smallest group of mesh
     dims that holds everything its members need; None when impossible or a no-op."""
-    from dtshard.layout import exchange_cost
+    from dtshard.layout import exchange_costs
 
     if src == dst:
         return None
     pdims = [i for i, p in enumerate(src) if isinstance(p, Partial)]
-    if any(not placement_equal(src[i], dst[i]) for i in pdims) or any(
-            isinstance(p, Partial) and i not in pdims for i, p in enumerate(dst)):
+    if any(not placement_equal(src[i], dst[i]) for i in pdims):
         return None
+    # new Partial dims: exchange to Replicate there, then zero locally (R -> P costs nothing)
+    zero = [i for i, p in enumerate(dst) if isinstance(p, Partial) and i not in pdims]
+    if zero:
+        target = tuple(_R if i in zero else p for i, p in enumerate(dst))
+        head = _exchange_steps(spec, src, target) if target != src else ()
+        if head is None:
+            return None
+        return (*head, *(Step(i, _R, dst[i], "zero") for i in zero))
     free = [i for i in range(len(src)) if i not in pdims]
     changed = [i for i in free if not placement_equal(src[i], dst[i])]
     mesh_shape = spec.mesh_shape
     for extra in range(len(free) - len(changed) + 1):
         for more in itertools.combinations([i for i in free if i not in changed], extra):
             dims = tuple(sorted(changed + list(more)))
-            cost = exchange_cost(spec.shape, mesh_shape, src, dst, dims)
-            if cost is not None:
-                return (GroupStep(dims, src, dst, "exchange", float(cost * _itemsize(spec.dtype))),)
+            costs = exchange_costs(spec.shape, mesh_shape, src, dst, dims)
+            if costs is not None:
+                itemsize = _itemsize(spec.dtype)
+                return (GroupStep(dims, src, dst, "exchange", tuple(c * itemsize for c in costs)),)
     return None
 
 
@@ -331,7 +366,7 @@ def _cost_1d(shape, n: int, src: Placement, dst: Placement, itemsize: int) -> fl
         if td is Replicate or (td is not Partial and td is not Shard and isinstance(dst, Replicate)):
             return (n - 1) * local
         if td is Shard or (td is not Partial and isinstance(dst, Shard)):
-            return (n - 1) * local / n
+            return _split_cost(local, shape[dst.dim], n)
         return (n - 1) * local + 0.01 * numel * itemsize + 1.0  # all_gather, then zero (-> Partial)
     full = numel * itemsize
     if ts is Replicate or (ts is not Partial and isinstance(src, Replicate)):
@@ -340,8 +375,16 @@ def _cost_1d(shape, n: int, src: Placement, dst: Placement, itemsize: int) -> fl
     if td is Replicate or (td is not Shard and isinstance(dst, Replicate)):
         return 2 * (n - 1) * full / n
     if td is Shard or (td is not Partial and isinstance(dst, Shard)):
-        return (n - 1) * full / n
+        return _split_cost(full, shape[dst.dim], n)
     return 2 * (n - 1) * full / n + 0.01 * full + 1.0  # all_reduce, then zero (P(a) -> P(b))
+
+
+def _split_cost(local: float, length: int, n: int) -> float:
+    """Bytes received when a shard of ``local`` bytes is split n ways along a dim of ``length``
+    (reduce_scatter, all_to_all): n-1 pieces the size of the largest, as _step_cost prices it."""
+    if not length:
+        return 0.01 * local + 1.0
+    return (n - 1) * local * (-(-length // n)) / length
 
 
 def transition_cost(spec: DTensorSpec, dst: Sequence[Placement]) -> float:
@@ -448,6 +491,11 @@ def _reduce_scatter_sizes(x, spec, group, me, op, d, sizes):
         return x.new_zeros(_with(x.shape, d, mine))
     if d == 0 and all(s == block for s in sizes):
         return C.reduce_scatter(x, op, spec.mesh, group)
+    if any(s != block for s in sizes):
+        # uneven pieces: padded to the largest, every rank would receive (k-1) x the largest
+        # piece; an all_to_all of the exact pieces, then a local reduction, receives only the
+        # k-1 other terms of the piece this rank keeps
+        return _reduce_by_all_to_all(x, spec, group, op, d, sizes, me)
     # the packed rows are passed without keeping a name for them here: the collective drops
     # its reference once the backend has the data, so the buffer does not outlive the wait
     out = C.reduce_scatter(_packed_rows(x, d, sizes, block), op, spec.mesh, group)
@@ -455,6 +503,21 @@ def _reduce_scatter_sizes(x, spec, group, me, op, d, sizes):
     if mine != block:
         out = _copied("slice", K.slice_copy(out, d, 0, mine))
     return out
+
+
+def _reduce_by_all_to_all(x, spec, group, op, d, sizes, me):
+    n = len(sizes)
+    per = _numel_except(x.shape, d)
+    flat = x.reshape(-1) if (x.is_contiguous() and all(v == 1 for v in x.shape[:d])) else \
+        _copied("pack", K.a2a_pack(x, d, sizes))
+    recv = C.all_to_all(flat, [sizes[me] * per] * n, [v * per for v in sizes], spec.mesh, group)
+    del flat
+    piece = _with(x.shape, d, sizes[me])
+    terms = recv.view(n, *piece)
+    if op in ("sum", "avg"):
+        out = terms.sum(0)
+        return out / n if op == "avg" else out
+    return terms.amax(0) if op == "max" else terms.amin(0)
 
 
 def _packed_rows(x, d, sizes, block):
@@ -521,14 +584,23 @@ def _run_step(x: torch.Tensor, spec: DTensorSpec, state: list, step: Step, coord
 
 def _run_group_step(x: torch.Tensor, spec: DTensorSpec, step: GroupStep, coord) -> torch.Tensor:
     dims = step.mesh_dims
-    if step.kind == "all_reduce":
-        return C.all_reduce(x, step.src[dims[0]].reduce_op, spec.mesh, dims)
-    if step.kind == "reduce_scatter":
-        d = step.dst[dims[0]].dim
-        sizes = [local_shape_and_offset(spec.shape, spec.mesh_shape, step.dst, c)[0][d]
-                 for c in L.group_coords(spec.mesh_shape, dims, coord)]
-        return _reduce_scatter_sizes(x, spec, dims, C.group_rank(spec.mesh, dims), step.src[dims[0]].reduce_op,
-                                     d, sizes)
+    if step.kind in ("all_reduce", "reduce_scatter"):
+        ops = {step.src[i].reduce_op for i in dims}
+        op = ops.pop() if len(ops) == 1 else "sum"  # sums mixed with averages: sum, then scale
+        if step.kind == "all_reduce":
+            out = C.all_reduce(x, op, spec.mesh, dims)
+        else:
+            d = step.dst[dims[0]].dim
+            sizes = [local_shape_and_offset(spec.shape, spec.mesh_shape, step.dst, c)[0][d]
+                     for c in L.group_coords(spec.mesh_shape, dims, coord)]
+            out = _reduce_scatter_sizes(x, spec, dims, C.group_rank(spec.mesh, dims), op, d, sizes)
+        if len(ops) > 0:  # mixed: divide by the size of the averaged dims
+            n_avg = 1
+            for i in dims:
+                if step.src[i].reduce_op == "avg":
+                    n_avg *= spec.mesh_shape[i]
+            out = out / n_avg if out.is_floating_point() or out.is_complex() else out // n_avg
+        return out
     if step.kind == "exchange":
         return _exchange(x, spec, step, coord)
     raise AssertionError(f"unknown group step kind {step.kind}")

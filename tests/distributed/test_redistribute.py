@@ -70,7 +70,10 @@ def _peak_local_numel(mesh_shape, shape, src, dst):
     state = list(spec.placements)
     peak = _local_numel(shape, mesh_shape, state)
     for step in plan(spec, Ps(dst)):
-        state[step.mesh_dim] = step.dst
+        if isinstance(step.mesh_dim, tuple):  # a GroupStep changes the whole state
+            state = list(step.dst)
+        else:
+            state[step.mesh_dim] = step.dst
         peak = max(peak, _local_numel(shape, mesh_shape, state))
     return peak
 

@@ -9,10 +9,11 @@ arithmetic, not dtshard's planner or layout code):
 
 - a rank must receive every element of its target shard that its source shard lacks;
 - with a Partial source, the Partial mesh dims (all of them, flattened into one group of ``k``
-  ranks) must also be reduced once: as a reduce_scatter ((k-1)/k of the rank's source shard),
-  after which the rank holds a 1/k piece of the reduced shard along some tensor dim, or as an
-  all_reduce (2(k-1)/k), after which it holds the whole reduced shard; the cheapest of these,
-  plus what the rank then still lacks.
+  ranks) must also be reduced once: as a reduce_scatter onto a tensor dim (the rank receives the
+  k-1 other terms of the piece it keeps; the pieces nest after the mesh dims that already shard
+  that tensor dim, so they are a standard layout), or as an all_reduce (2(k-1)/k of its shard,
+  after which it holds the whole reduced shard); the cheapest of these, plus what the rank then
+  still lacks.
 
 Exhaustive on a 2x2 mesh (2-D tensors: 7 placements per mesh dim, 2401 transitions) for three
 shapes (even, uneven, with empty shards); sampled on 2x3, 2x4 and 2x2x2.  Partial sources that
@@ -79,14 +80,20 @@ def minimum_received(shape, mesh_shape, src, dst) -> float:
     if not red:
         return max(_lacking(shape, mesh_shape, src, dst, c) for c in coords)
     k = math.prod(mesh_shape[m] for m in red)
-    forms = [(2 * (k - 1) / k, tuple(Replicate() if m in red else p for m, p in enumerate(src)))]
-    for d in range(len(shape)):
-        forms.append(((k - 1) / k, tuple(Shard(d) if m in red else p for m, p in enumerate(src))))
     best = math.inf
-    for factor, reduced in forms:
-        worst = max(factor * _numel(_box(shape, mesh_shape, src, c))
-                    + _lacking(shape, mesh_shape, reduced, dst, c) for c in coords)
-        best = min(best, worst)
+    # all_reduce: every rank receives 2(k-1)/k of its shard (ring) and then holds it reduced
+    reduced = tuple(Replicate() if m in red else p for m, p in enumerate(src))
+    best = min(best, max(2 * (k - 1) / k * _numel(_box(shape, mesh_shape, src, c))
+                         + _lacking(shape, mesh_shape, reduced, dst, c) for c in coords))
+    # reduce_scatter onto tensor dim d: a rank receives the k-1 other terms of the piece it keeps
+    # (pieces are the nested chunks of its shard, so they need not be equal); the pieces can only
+    # nest after the mesh dims that already shard d
+    for d in range(len(shape)):
+        if any(isinstance(p, Shard) and p.dim == d and m > red[0] for m, p in enumerate(src)):
+            continue
+        reduced = tuple(Shard(d) if m in red else p for m, p in enumerate(src))
+        best = min(best, max((k - 1) * _numel(_box(shape, mesh_shape, reduced, c))
+                             + _lacking(shape, mesh_shape, reduced, dst, c) for c in coords))
     return best
 
 
