@@ -372,6 +372,22 @@ def _check_from_local(local: torch.Tensor, spec: DTensorSpec) -> None:
 bind_tensor_class(DTensor)
 
 
+def _register_foreach_support() -> None:
+    """Let ``torch.optim`` and ``torch.nn.utils.clip_grad_norm_`` take their ``_foreach_*`` paths
+    for dtshard DTensors, as PyTorch registers its own DTensor: lists of DTensors then go through
+    dtshard's foreach handlers (``dtshard/rules/foreach.py``), and ``clip_grad_norm_`` reduces the
+    norms of a whole (mesh, placements) group with one collective."""
+    from torch.optim.optimizer import _foreach_supported_types as optim_types
+    from torch.utils._foreach_utils import _foreach_supported_types as util_types
+
+    for types in (optim_types, util_types):
+        if DTensor not in types:
+            types.append(DTensor)
+
+
+_register_foreach_support()
+
+
 class _FromLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local: torch.Tensor, spec: DTensorSpec, grad_placements):

@@ -19,6 +19,8 @@ import math
 
 import torch
 
+from torch.distributed.tensor.placement_types import Replicate
+
 from dtshard.registry import register_handler
 
 aten = torch.ops.aten
@@ -123,7 +125,57 @@ def _foreach_ops() -> list:
     return ops
 
 
-register_handler(_foreach_ops())(_foreach_handler)
+_NORMS = [op for op in (getattr(aten._foreach_norm, n, None) for n in ("Scalar", "Scalar_dtype")) if op is not None]
+
+
+def _foreach_norm_handler(op, args, kwargs):
+    """``_foreach_norm(tensors, ord, dtype=None)`` (``clip_grad_norm_``'s first step) with ONE
+    collective per (mesh, placements) group instead of one per tensor: each tensor's reduction
+    (the sum of ``|x| ** ord``, or the max / min of ``|x|``) stays a Partial of its shard, the
+    Partials of a group are stacked and reduced together, and the root is taken after."""
+    tensors = args[0]
+    ord_ = float(args[1] if len(args) > 1 else kwargs.get("ord", 2))
+    dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
+    DT = _dt_class()
+    if not tensors or not all(isinstance(t, DT) for t in tensors) or ord_ not in (ord_,):  # NaN ord
+        return _foreach_handler(op, args, kwargs)
+    with torch.no_grad():
+        parts = []
+        for x in tensors:
+            if dtype is not None and dtype != x.dtype:
+                x = aten._to_copy.default(x, dtype=dtype)
+            a = aten.abs.default(x)
+            if ord_ == math.inf:
+                parts.append(aten.amax.default(a, list(range(a.ndim)), False))
+            elif ord_ == -math.inf:
+                parts.append(aten.amin.default(a, list(range(a.ndim)), False))
+            elif ord_ == 0:
+                parts.append(aten.sum.default(aten._to_copy.default(aten.ne.Scalar(a, 0), dtype=a.dtype)))
+            elif ord_ == 1:
+                parts.append(aten.sum.default(a))
+            elif ord_ == 2:
+                parts.append(aten.sum.default(aten.mul.Tensor(a, a)))
+            else:
+                parts.append(aten.sum.default(aten.pow.Tensor_Scalar(a, ord_)))
+        from dtshard.spec import mesh_identity
+
+        groups: dict = {}
+        for k, p in enumerate(parts):
+            groups.setdefault((mesh_identity(p.device_mesh), p.placements, p.dtype), []).append(k)
+        out = [None] * len(parts)
+        for idx in groups.values():
+            stacked = aten.stack.default([parts[k] for k in idx])
+            mesh = stacked.device_mesh
+            reduced = stacked.redistribute(mesh, [Replicate()] * mesh.ndim)  # one collective
+            if ord_ not in (math.inf, -math.inf, 0.0, 1.0):
+                reduced = aten.sqrt.default(reduced) if ord_ == 2 else aten.pow.Tensor_Scalar(reduced, 1.0 / ord_)
+            for j, k in enumerate(aten.unbind.int(reduced, 0)):
+                out[idx[j]] = k
+        return out
+
+
+register_handler(_NORMS)(_foreach_norm_handler)
+register_handler([op for op in _foreach_ops() if op not in _NORMS])(_foreach_handler)
 
 
 # ---------------------------------------------------------------------------------------------

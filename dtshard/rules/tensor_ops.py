@@ -133,7 +133,8 @@ def cat_rule(call: OpCall):
     for d in range(ref.ndim):
         if d != dim:
             strategies.append(((Shard(d),), tuple(R if _is_legacy_empty(t) else Shard(d) for t in ts)))
-    strategies += [((p,), (p,) * len(ts)) for p in (Partial("sum"), Partial("avg"))]
+    # joining pieces is elementwise: terms of any one reduction stay terms of it
+    strategies += [((p,), (p,) * len(ts)) for p in _PARTIALS]
     return strategies
 
 
@@ -143,5 +144,5 @@ def stack_rule(call: OpCall):
     ndim = ts[0].ndim
     dim = call.arg(1, "dim", 0) % (ndim + 1)
     strategies = [((Shard(d if d < dim else d + 1),), (Shard(d),) * len(ts)) for d in range(ndim)]
-    strategies += [((p,), (p,) * len(ts)) for p in (Partial("sum"), Partial("avg"))]
+    strategies += [((p,), (p,) * len(ts)) for p in _PARTIALS]
     return strategies
