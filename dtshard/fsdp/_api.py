@@ -58,7 +58,6 @@ class FSDPModule:
         """All-gather this module's group (one collective); with ``async_op`` return a handle
         whose ``wait()`` finishes it (the next forward waits for it anyway)."""
         state = self._dtshard_fsdp
-        state.lazy_init()
         state.group.unshard(async_op=async_op)
         return UnshardHandle([state]) if async_op else None
 
@@ -194,6 +193,11 @@ def fully_shard(
             if (sub, pname) not in [(o, n) for o, n in entry[2]]:
                 entry[2].append((sub, pname))
     params = list(owners.values())
+    devices = sorted({str(p.device) for _, p, _ in params})
+    if len(devices) > 1:
+        listing = ", ".join(f"{fqn}: {p.device}" for fqn, p, _ in params)
+        raise ValueError(f"{where}: the parameters are on different devices ({listing}); move the module "
+                         f"to one device (the mesh's, {mesh.device_type}) before fully_shard")
     from torch.distributed.tensor import DTensor as TorchDTensor
 
     for fqn, p, _ in params:
@@ -215,11 +219,6 @@ def fully_shard(
             if placement is not None and not (getattr(placement, "dim", None) == 0 and type(placement).__name__ == "Shard"):
                 raise NotImplementedError(
                     f"{where}: shard_placement_fn returned {placement!r} for {fqn!r}; only Shard(0) is supported yet")
-    devices = sorted({str(p.device) for _, p, _ in params})
-    if len(devices) > 1:
-        listing = ", ".join(f"{fqn}: {p.device}" for fqn, p, _ in params)
-        raise ValueError(f"{where}: the parameters are on different devices ({listing}); move the module "
-                         f"to one device (the mesh's, {mesh.device_type}) before fully_shard")
     dtypes = sorted({str(p.dtype) for _, p, _ in params})
     if len(dtypes) > 1:
         raise NotImplementedError(
