@@ -206,6 +206,10 @@ def fully_shard(
                 f"{where}: parameter {fqn!r} (shape {tuple(p.shape)}, placements {p.placements}) is a "
                 "torch.distributed.tensor.DTensor; dtshard.fsdp shards dtshard DTensors: convert it first "
                 "with dtshard.DTensor.from_torch(param), or pass plain tensors")
+        if getattr(p, "_dtshard_fsdp_sharded", False):
+            raise ValueError(
+                f"{where}: parameter {fqn!r} (shape {tuple(p.shape)}) is already sharded by fully_shard on an "
+                "enclosing module; apply fully_shard bottom-up: each block first, then the root")
         if isinstance(p, DTensor):
             raise NotImplementedError(
                 f"{where}: parameter {fqn!r} (shape {tuple(p.shape)}) already is a dtshard DTensor with "

@@ -109,6 +109,7 @@ class ParamGroup:
                 local.copy_(p.detach()[start:start + info.local_rows])
             spec = DTensorSpec(self.mesh, self.placements, info.shape, contiguous_strides(info.shape), self.orig_dtype)
             sharded = nn.Parameter(DTensor(local, spec, requires_grad=False), requires_grad=p.requires_grad)
+            sharded._dtshard_fsdp_sharded = True  # a later fully_shard on a submodule must not take it
             self.sharded_params.append(sharded)
             for owner, name in owners:
                 owner._parameters[name] = sharded

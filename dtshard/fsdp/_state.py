@@ -17,6 +17,7 @@ gradient for the sharded parameters: their ``.grad`` is set from the reduce_scat
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -97,6 +98,12 @@ class FSDPState:
     def _pre_forward(self, module, args, kwargs):
         self.lazy_init()
         ctx = self.ctx
+        if _in_backward():
+            # a forward recomputed in backward (activation checkpointing): the group was
+            # gathered by its pre-backward hook; only hand the module its parameters
+            self.group.unshard()
+            self._bind(count=False)
+            return self._cast_inputs(args, kwargs)
         if self.is_root:
             self._finish_iteration()  # a forward without backward (eval) may have left work
         if not ctx.order_fixed and self not in ctx.forward_order:
@@ -104,27 +111,39 @@ class FSDPState:
         self.group.unshard()  # waits for a prefetched all_gather
         for other in self._next_in_forward():
             other.group.unshard(async_op=True)
+        self._bind()
+        return self._cast_inputs(args, kwargs)
+
+    def _cast_inputs(self, args, kwargs):
         if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
             cast = _caster(self.mp.param_dtype)
             args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
-        self._bind()
         return args, kwargs
 
     def _post_forward(self, module, args, output):
         ctx = self.ctx
-        if self.is_root:
-            ctx.order_fixed = True
         self._unbind()
-        if self.group.reshard_after_forward:
-            self.group.reshard()
         if self.mp.output_dtype is not None:
             output = tree_map(_caster(self.mp.output_dtype), output)
+        if _in_backward():
+            return output  # recomputation: the post-backward hook frees the parameters
+        if self.is_root:
+            ctx.order_fixed = True
+        # without grad no backward will need the full parameters: free them (the root too)
+        if self.group.reshard_after_forward or not torch.is_grad_enabled():
+            self.group.reshard()
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors and torch.is_grad_enabled():
+            if any(t._base is not None for t in tensors):
+                warnings.warn(
+                    f"dtshard.fsdp: {type(self.module).__name__} returned a view; an in-place op on it "
+                    "(`out += y`) would drop the hook that all-gathers its parameters before its backward "
+                    "(backward then fails on freed parameters). Use out-of-place ops or .clone() it.",
+                    UserWarning, stacklevel=2)
             register_multi_grad_hook(tensors, self._pre_backward, mode="any")
         return output
 
-    def _bind(self) -> None:
+    def _bind(self, count: bool = True) -> None:
         """Give the module its full parameters for this forward call.  The sharded parameters
         stay in ``_parameters`` (so ``parameters()`` / ``state_dict()`` always see the sharded
         DTensors); the full ones shadow them in the owners' instance ``__dict__``, which normal
@@ -133,7 +152,7 @@ class FSDPState:
         if not g.infos:
             return
         fulls = _Unshard.apply(self, *g.sharded_params)
-        if torch.is_grad_enabled() and any(p.requires_grad for p in g.sharded_params):
+        if count and torch.is_grad_enabled() and any(p.requires_grad for p in g.sharded_params):
             self._live += 1  # one more _Unshard node whose backward will run
         for full, info in zip(fulls, g.infos):
             for owner, name in info.owners:
@@ -170,11 +189,18 @@ class FSDPState:
             ctx.callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         self.group.unshard()
+        if not self._bound and any(p.requires_grad for p in self.group.sharded_params):
+            # a forward recomputed in this backward (activation checkpointing inside the module's
+            # forward) reads the module's attributes: give it the full parameters, requiring grad
+            # as in forward so it saves the same tensors (that _Unshard node never runs backward)
+            with torch.enable_grad():  # backward runs with grad mode off
+                self._bind(count=False)
         for other in self._prev_in_forward():
             other.group.unshard(async_op=True)
 
     def _post_backward(self, grads) -> None:
         g = self.group
+        self._unbind()
         # the previous group's reduce_scatter has had this group's backward to run: move it on
         # (HSDP: start its all_reduce across replicas)
         for s, red in self.ctx.pending:
@@ -219,6 +245,11 @@ class FSDPState:
             s._live = 0
             if s.group.state == "gathering":
                 s.group.reshard()
+
+
+def _in_backward() -> bool:
+    """True while the autograd engine runs a backward on this thread."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _caster(dtype: torch.dtype):
