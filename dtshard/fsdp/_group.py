@@ -171,20 +171,39 @@ class ParamGroup:
         """Finish an all_gather in flight: copy each parameter out into the flat unsharded buffer."""
         if self.state != "gathering":
             return
-        work, out, _ = self._gather_work
+        work, out, inp = self._gather_work
         self._gather_work = None
         work.wait()
+        if inp is not self.flat_shard:
+            self._free(inp)  # a copy-in buffer
         self._alloc_full()
         gathered = out.view(self.W, self.S)
         # the copy-out writes the storage autograd saved views of; the data is the same parameter
         # value, so keep the version counter (as PyTorch's FSDP2 does)
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.flat_full):
             for info in self.infos:
-                rows = info.shape[0]
-                src = gathered[:, info.shard_offset:info.shard_offset + info.padded]
-                src = src.reshape((-1,) + info.shape[1:])[:rows]
-                self.flat_full[info.full_offset:info.full_offset + info.numel].view(info.shape).copy_(src)
+                full = self.flat_full[info.full_offset:info.full_offset + info.numel]
+                for dst, src in self._rank_pieces(full, gathered, info):
+                    dst.copy_(src)
+        # free the gathered buffer now, on this thread: the backend's work object may hold a
+        # reference a little longer (and drop it on its own thread)
+        self._free(out)
         self.state = "unsharded"
+
+    def _rank_pieces(self, full: torch.Tensor, gathered: torch.Tensor, info: _ParamInfo):
+        """Pairs (piece of the flat full parameter, the same elements in the (W, S) gathered
+        layout) covering the parameter in at most two strided views, no temporary: the ranks
+        holding a whole chunk of ``c`` rows, then the one short chunk (empty ones hold nothing)."""
+        chunk = info.padded  # c rows
+        whole = info.numel // chunk if chunk else 0
+        pieces = []
+        if whole:
+            pieces.append((full[:whole * chunk].view(whole, chunk),
+                           gathered[:whole, info.shard_offset:info.shard_offset + chunk]))
+        rest = info.numel - whole * chunk
+        if rest:
+            pieces.append((full[whole * chunk:], gathered[whole, info.shard_offset:info.shard_offset + rest]))
+        return pieces
 
     def reshard(self) -> None:
         if self.state == "gathering":
@@ -215,12 +234,8 @@ class ParamGroup:
             for g, info in zip(grads, self.infos):
                 if g is None:
                     continue
-                # the full gradient, zero-padded to W pieces of ``padded`` elements (rank-major)
-                flat = g.reshape(-1)
-                pad = self.W * info.padded - info.numel
-                if pad:
-                    flat = torch.nn.functional.pad(flat, (0, pad))
-                view[:, info.shard_offset:info.shard_offset + info.padded].add_(flat.view(self.W, info.padded))
+                for src, dst in self._rank_pieces(g.reshape(-1), view, info):
+                    dst.add_(src)  # casts to the reduce dtype
             had = getattr(self, "_acc_got", [False] * len(self.infos))
             got = [a or b for a, b in zip(got, had)]
             if not self.requires_gradient_sync:
@@ -238,6 +253,7 @@ class ParamGroup:
         """HSDP: once the reduce_scatter is done, start the all_reduce across the replicate dim."""
         work, out = pending[0], pending[1]
         work.wait()
+        self._free(pending[2])  # the reduce_scatter input (see wait_unshard)
         pending[0] = C.all_reduce_(out, "sum", self.mesh, 0, async_op=True) if self.hsdp else None
         pending[2] = None  # the reduce_scatter input can go
 

@@ -235,6 +235,31 @@ def _api(_=None):
     return out
 
 
+def _prefetch_states(_=None):
+    """While block i computes, block i+1's all_gather is in flight (forward) and block i-1's
+    (backward); the first step fixes the order, so prefetch starts at step 2."""
+    mesh = dtshard.init_device_mesh("cpu", (dist.get_world_size(),))
+    model, _ = _models()
+    _shard(model, mesh)
+    groups = [b._fsdp_state.group for b in model.blocks]
+    seen = {"fwd": [], "bwd": []}
+
+    def fwd_hook(i):
+        def hook(mod, args, out):  # runs inside block i's forward (after block.a)
+            seen["fwd"].append((i, groups[i + 1].state if i + 1 < len(groups) else None))
+            out.register_hook(lambda g: seen["bwd"].append((i, groups[i - 1].state if i > 0 else None)))
+        return hook
+
+    for i, b in enumerate(model.blocks):
+        b.a.register_forward_hook(fwd_hook(i))
+    x, y = _batch(0, 1)
+    for step in range(2):
+        seen["fwd"].clear()
+        seen["bwd"].clear()
+        ((model(x) - y) ** 2).mean().backward()
+    return seen
+
+
 def _mixed_precision(_=None):
     """param_dtype=bf16, reduce_dtype=fp32 against PyTorch's own FSDP2 with the same policy."""
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -351,6 +376,50 @@ def _checkpoint_and_eval(_=None):
     return out
 
 
+def _peak_bytes(fn) -> int:
+    """Peak increase of the bytes allocated through PyTorch's CPU allocator while ``fn`` runs:
+    the allocation and free events that ``torch.profiler`` records with ``profile_memory=True``
+    (every tensor and storage allocation, the all_gather buffers and storage resizes included),
+    summed in time order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    cur = peak = 0
+    for e in events:
+        cur += e.nbytes()
+        peak = max(peak, cur)
+    return peak
+
+
+def _memory(_=None, n_blocks: int = 6, d: int = 512):
+    """Peak forward memory: at most 3 blocks' full parameters plus the root's (+ 1 MB for the
+    activations of a 4-row batch) above what was allocated before the forward (the sharded
+    parameters, P/W, so this is stricter than ``(3 P_block + P_nonblock + P/W) * itemsize``).
+    Measured by :func:`_peak_bytes`.  What it sees on gloo: block i's full parameters, block i+1's
+    gathered buffer in flight, and gloo's own flat staging copy of that output (NCCL gathers in
+    place), so about 3 P_block; without resharding every block's full parameters stay."""
+    mesh = dtshard.init_device_mesh("cpu", (dist.get_world_size(),))
+    res = {}
+    for raf in (None, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, d), *[Block(d, d) for _ in range(n_blocks)], nn.Linear(d, 4))
+        p_block = sum(p.numel() for p in model[1].parameters()) * 4
+        p_root = sum(p.numel() for m in (model[0], model[-1]) for p in m.parameters()) * 4
+        for b in model[1:-1]:
+            fully_shard(b, mesh=mesh, reshard_after_forward=raf)
+        fully_shard(model, mesh=mesh, reshard_after_forward=raf)
+        x = torch.randn(4, 16)
+        model(x).sum().backward()  # the first step fixes the forward order (prefetch from step 2)
+        model.zero_grad()
+        out = []
+        res[raf] = (_peak_bytes(lambda: out.append(model(x))), 3 * p_block + p_root + 2**20, p_block)
+        out[0].sum().backward()
+    return res
+
+
 # ---------------------------------------------------------------------------------------------
 # tests (each batches several checks into one run_distributed call)
 # ---------------------------------------------------------------------------------------------
@@ -362,6 +431,7 @@ def _fsdp_2_ranks():
         "offload": _train((2,), None, 3, offload=True),
         "layout": _layout((2,)),
         "no_sync": _no_sync((2,)),
+        "memory": _memory(),
     }
 
 
@@ -390,6 +460,10 @@ def test_fsdp_two_ranks_numerics_counts_layout_no_sync():
         counts, err = rank_res["no_sync"]
         assert counts == [(0, 0, True), (0, 0, True), (N + 1, 0, None)] * 2
         assert err < 1e-5, err
+        peak, bound, p_block = rank_res["memory"][None]
+        assert peak <= bound, (peak, bound)
+        peak_kept, _, _ = rank_res["memory"][False]
+        assert peak_kept > bound + p_block, (peak_kept, bound)  # the measurement sees full parameters
     # the losses: the mean of the ranks' losses is the global batch's loss
     for raf in (None, True, False):
         for step, rows in enumerate(zip(*(r["train"][raf][0] for r in res))):
@@ -422,7 +496,7 @@ def test_hsdp_2x2_numerics_counts_layout_no_sync():
 
 
 def _api_mp_bad():
-    return {"api": _api(), "mp": _mixed_precision(), "bad": _bad_inputs(), "ckpt": _checkpoint_and_eval()}
+    return {"api": _api(), "prefetch": _prefetch_states(), "mp": _mixed_precision(), "bad": _bad_inputs(), "ckpt": _checkpoint_and_eval()}
 
 
 def test_api_mixed_precision_and_bad_inputs():
@@ -439,6 +513,9 @@ def test_api_mixed_precision_and_bad_inputs():
         assert pending == N + 1 and err < 1e-5
         assert api["no_reshard_bwd"] == (N + 1, 0, N + 1)
         assert api["slice"] == "Sequential"
+
+        assert rank_res["prefetch"] == {"fwd": [(0, "gathering"), (1, "gathering"), (2, None)],
+                                        "bwd": [(2, "gathering"), (1, "gathering"), (0, None)]}
 
         rows, err, dtypes, gather_bytes, want_bytes = rank_res["mp"]
         assert gather_bytes == want_bytes  # gathered in bf16, not fp32
