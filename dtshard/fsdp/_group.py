@@ -188,7 +188,16 @@ class ParamGroup:
         # free the gathered buffer now, on this thread: the backend's work object may hold a
         # reference a little longer (and drop it on its own thread)
         self._free(out)
+        self._versions = self._sharded_versions()
         self.state = "unsharded"
+
+    def _sharded_versions(self) -> list:
+        return [p._version for p in self.sharded_params]
+
+    def is_stale(self) -> bool:
+        """True when a sharded parameter changed in place (an optimizer step, load_state_dict)
+        since the full parameters were gathered: they must be gathered again."""
+        return self.state == "unsharded" and self._versions != self._sharded_versions()
 
     def _rank_pieces(self, full: torch.Tensor, gathered: torch.Tensor, info: _ParamInfo):
         """Pairs (piece of the flat full parameter, the same elements in the (W, S) gathered

@@ -108,6 +108,10 @@ class FSDPState:
             self._finish_iteration()  # a forward without backward (eval) may have left work
         if not ctx.order_fixed and self not in ctx.forward_order:
             ctx.forward_order.append(self)
+        if self.group.is_stale():
+            # kept unsharded (the root, reshard_after_forward=False, a forward whose backward
+            # never ran) while the optimizer updated the shards: never compute on old values
+            self.group.reshard()
         self.group.unshard()  # waits for a prefetched all_gather
         for other in self._next_in_forward():
             other.group.unshard(async_op=True)

@@ -228,6 +228,19 @@ def _api(_=None):
     with CommCounter() as c:
         loss.backward()
     out["no_reshard_bwd"] = (f.count("all_gather"), c.count("all_gather"), c.count("reduce_scatter"))
+    # the root keeps its full parameters after a forward whose backward never runs; an optimizer
+    # step then changes the shards, and the next forward must gather them again
+    model, ref = _models()
+    _shard(model, mesh)
+    opt, ropt = (torch.optim.AdamW(m.parameters(), lr=1e-1) for m in (model, ref))
+    ((model(x) - y) ** 2).mean().backward()
+    ((ref(x) - y) ** 2).mean().backward()
+    model(x)
+    opt.step()
+    ropt.step()
+    with CommCounter() as c:
+        y2 = model(x)
+    out["stale_root"] = (c.count("all_gather"), (y2 - ref(x)).abs().max().item())
     # a container built from a slice of an FSDP container is a plain module of the original class
     seq = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     fully_shard(seq, mesh=mesh)
@@ -513,6 +526,7 @@ def test_api_mixed_precision_and_bad_inputs():
         assert pending == N + 1 and err < 1e-5
         assert api["no_reshard_bwd"] == (N + 1, 0, N + 1)
         assert api["slice"] == "Sequential"
+        assert api["stale_root"][0] == N + 1 and api["stale_root"][1] < 1e-5
 
         assert rank_res["prefetch"] == {"fwd": [(0, "gathering"), (1, "gathering"), (2, None)],
                                         "bwd": [(2, "gathering"), (1, "gathering"), (0, None)]}
