@@ -273,6 +273,51 @@ def _prefetch_states(_=None):
     return seen
 
 
+class Tied(nn.Module):
+    """An embedding and an output head sharing one weight (both in the root's group)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 7)
+        self.block = Block(7, 9)
+        self.head = nn.Linear(7, 11, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(self.block(self.emb(ids)))
+
+
+def _frozen_tied_ignored(_=None):
+    """A frozen parameter gets no gradient and no traffic of its own; tied weights are one
+    parameter bound under both names; ignored parameters stay plain and unreduced."""
+    mesh = dtshard.init_device_mesh("cpu", (dist.get_world_size(),))
+    out = {}
+    torch.manual_seed(0)
+    model, ref = Tied(), Tied()
+    ref.load_state_dict(model.state_dict())
+    model.block.a.weight.requires_grad_(False)
+    ref.block.a.weight.requires_grad_(False)
+    fully_shard(model.block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    me, n = _dp_index(mesh)
+    ids = torch.arange(4 * n).remainder(11).view(n, 4)
+    model(ids[me:me + 1]).square().mean().backward()
+    ref(ids).square().mean().backward()
+    out["tied_names"] = (model.head.weight is model.emb.weight, len(list(model.parameters())))
+    out["frozen_grad"] = model.block.a.weight.grad is None
+    out["grad_err"] = max((p.grad.full_tensor() - q.grad).abs().max().item()
+                          for p, q in zip(model.parameters(), ref.parameters()) if p.requires_grad)
+    m = Stack()
+    keep = m.out.weight
+    for b in m.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(m, mesh=mesh, ignored_params={keep})
+    m(torch.randn(2, 5)).sum().backward()
+    out["ignored"] = (m.out.weight is keep, type(m.out.weight).__name__, type(m.out.weight.grad).__name__,
+                      type(m.out.bias).__name__)
+    return out
+
+
 def _mixed_precision(_=None):
     """param_dtype=bf16, reduce_dtype=fp32 against PyTorch's own FSDP2 with the same policy."""
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -509,7 +554,7 @@ def test_hsdp_2x2_numerics_counts_layout_no_sync():
 
 
 def _api_mp_bad():
-    return {"api": _api(), "prefetch": _prefetch_states(), "mp": _mixed_precision(), "bad": _bad_inputs(), "ckpt": _checkpoint_and_eval()}
+    return {"api": _api(), "prefetch": _prefetch_states(), "extras": _frozen_tied_ignored(), "mp": _mixed_precision(), "bad": _bad_inputs(), "ckpt": _checkpoint_and_eval()}
 
 
 def test_api_mixed_precision_and_bad_inputs():
@@ -528,6 +573,9 @@ def test_api_mixed_precision_and_bad_inputs():
         assert api["slice"] == "Sequential"
         assert api["stale_root"][0] == N + 1 and api["stale_root"][1] < 1e-5
 
+        ex = rank_res["extras"]
+        assert ex["tied_names"] == (True, 5) and ex["frozen_grad"] and ex["grad_err"] < 1e-6
+        assert ex["ignored"] == (True, "Parameter", "Tensor", "DTensor")
         assert rank_res["prefetch"] == {"fwd": [(0, "gathering"), (1, "gathering"), (2, None)],
                                         "bwd": [(2, "gathering"), (1, "gathering"), (0, None)]}
 
