@@ -30,9 +30,22 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
+from dtshard import _trace
 from dtshard import collectives as C
 from dtshard.spec import DTensorSpec, chunk_range, contiguous_strides
 from dtshard.tensor import DTensor
+
+
+class _fsdp_op:
+    """Traffic issued inside is attributed to ``<fsdp>`` by ``CommCounter`` (``CommRecord.op``)."""
+
+    def __enter__(self):
+        self.prev = _trace.current_op[0]
+        _trace.current_op[0] = "<fsdp>"
+
+    def __exit__(self, *exc):
+        _trace.current_op[0] = self.prev
+        return False
 
 
 @dataclass
@@ -161,7 +174,8 @@ class ParamGroup:
         with torch.no_grad():
             inp = self._gather_input()
             out = torch.empty(self.W * self.S, dtype=self.param_dtype, device=self.device)
-            work = C.all_gather_into(out, inp, self.mesh, self.shard_dim, async_op=True)
+            with _fsdp_op():
+                work = C.all_gather_into(out, inp, self.mesh, self.shard_dim, async_op=True)
         self._gather_work = (work, out, inp)
         self.state = "gathering"
         if not async_op:
@@ -255,7 +269,8 @@ class ParamGroup:
             if self.reduce_dtype in (torch.float16, torch.bfloat16):
                 buf.div_(self.dp_size)  # low precision: divide first so the sum cannot overflow
             out = torch.empty(self.S, dtype=self.reduce_dtype, device=self.device)
-            work = C.reduce_scatter_into(out, buf, "sum", self.mesh, self.shard_dim, async_op=True)
+            with _fsdp_op():
+                work = C.reduce_scatter_into(out, buf, "sum", self.mesh, self.shard_dim, async_op=True)
         return [work, out, buf, got]
 
     def start_replicate_reduce(self, pending: list) -> None:
@@ -263,7 +278,11 @@ class ParamGroup:
         work, out = pending[0], pending[1]
         work.wait()
         self._free(pending[2])  # the reduce_scatter input (see wait_unshard)
-        pending[0] = C.all_reduce_(out, "sum", self.mesh, 0, async_op=True) if self.hsdp else None
+        if self.hsdp:
+            with _fsdp_op():
+                pending[0] = C.all_reduce_(out, "sum", self.mesh, 0, async_op=True)
+        else:
+            pending[0] = None
         pending[2] = None  # the reduce_scatter input can go
 
     def finish_reduce(self, pending: list) -> None:
