@@ -303,4 +303,8 @@ class ParamGroup:
                     # dtshard's settle-grad hook has nothing to do for it
                     p.grad = DTensor(local, p._spec, requires_grad=False)
                 else:
+                    if p.grad._spec.placements != p._spec.placements:
+                        # a gradient autograd accumulated into the sharded parameter itself (it
+                        # was used outside the module's forward, e.g. in a regularizer)
+                        p.grad = p.grad.redistribute(self.mesh, self.placements)
                     p.grad._local_tensor.add_(local)

@@ -243,6 +243,16 @@ def _api(_=None):
     with CommCounter() as c:
         y2 = model(x)
     out["stale_root"] = (c.count("all_gather"), (y2 - ref(x)).abs().max().item())
+    # a sharded parameter also used outside the forward (a weight-decay term on the DTensors):
+    # autograd's gradient for it and FSDP's reduced one add up
+    model, ref = _models()
+    _shard(model, mesh)
+    reg = sum(p.square().sum().full_tensor() for p in model.parameters())
+    (((model(x) - y) ** 2).mean() + 0.1 * reg).backward()
+    rreg = sum(p.square().sum() for p in ref.parameters())
+    (((ref(x) - y) ** 2).mean() + 0.1 * rreg).backward()
+    out["regularizer"] = max((p.grad.full_tensor() - q.grad).abs().max().item()
+                             for p, q in zip(model.parameters(), ref.parameters()))
     # a container built from a slice of an FSDP container is a plain module of the original class
     seq = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     fully_shard(seq, mesh=mesh)
@@ -535,7 +545,8 @@ def test_fsdp_two_ranks_numerics_counts_layout_no_sync():
 
 
 def _hsdp_4_ranks():
-    return {"train": _train((2, 2), None, 10), "layout": _layout((2, 2)), "no_sync": _no_sync((2, 2), micro=2)}
+    return {"train": _train((2, 2), None, 10), "layout": _layout((2, 2)), "no_sync": _no_sync((2, 2), micro=2),
+            "fsdp4": _train((4,), None, 3), "fsdp4_layout": _layout((4,))}
 
 
 def test_hsdp_2x2_numerics_counts_layout_no_sync():
@@ -551,6 +562,11 @@ def test_hsdp_2x2_numerics_counts_layout_no_sync():
         assert err < 1e-5, err
     for step, rows in enumerate(zip(*(r["train"][0] for r in res))):
         assert abs(sum(row[0] for row in rows) / 4 - rows[0][1]) < 1e-5
+    # FSDP on 4 ranks: Linear(7, 3).weight has 3 rows, so rank 3's shard is empty
+    for rank_res in res:
+        _check_train(*rank_res["fsdp4"], bwd_gathers=N, n_steps=3)
+        assert rank_res["fsdp4_layout"]["params"] and rank_res["fsdp4_layout"]["flat_views"]
+    assert [r["fsdp4_layout"]["local_shapes"][-2] for r in res] == [(1, 7), (1, 7), (1, 7), (0, 7)]
     # shard dim has 2 ranks: coordinate (r, 0) holds 4 rows of the (7, 5) weight, (r, 1) 3 rows
     assert [r["layout"]["local_shapes"][0] for r in res] == [(4, 5), (3, 5), (4, 5), (3, 5)]
 
@@ -574,6 +590,7 @@ def test_api_mixed_precision_and_bad_inputs():
         assert api["no_reshard_bwd"] == (N + 1, 0, N + 1)
         assert api["slice"] == "Sequential"
         assert api["stale_root"][0] == N + 1 and api["stale_root"][1] < 1e-5
+        assert api["regularizer"] < 1e-5
 
         ex = rank_res["extras"]
         assert ex["tied_names"] == (True, 5) and ex["frozen_grad"] and ex["grad_err"] < 1e-6
