@@ -135,6 +135,9 @@ def _layout(mesh_shape):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     me, n = _dp_index(mesh)
     x, y = _batch(0, n)
+    sd_before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    ref_before = Stack()
+    ref_before.load_state_dict(ref.state_dict())
     ((model(x[4 * me:4 * me + 4]) - y[4 * me:4 * me + 4]) ** 2).mean().backward()
     ((ref(x) - y) ** 2).mean().backward()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
@@ -143,8 +146,16 @@ def _layout(mesh_shape):
     out["clipped_grad_err"] = max((p.grad.full_tensor() - q.grad).abs().max().item()
                                   for p, q in zip(model.parameters(), ref.parameters()))
     opt.step()
+    # load_state_dict of a sharded state dict (the pre-step values) copies into the shards in place
+    saved = {k: v.detach().clone() for k, v in sd_before.items()}
+    model.load_state_dict(saved)
+    out["loaded"] = max((a.full_tensor() - b.full_tensor()).abs().max().item()
+                        for a, b in zip(model.state_dict().values(), saved.values()))
+    with torch.no_grad():
+        out["loaded_forward"] = (model(x) - ref_before(x)).abs().max().item()
     groups = [m._dtshard_fsdp.group for m in (model, *model.blocks)]
     # the sharded parameters still are views of their group's flat shard after an optimizer step
+    # and a load_state_dict
     out["flat_views"] = all(g._is_view_of_flat(p, i) for g in groups for p, i in zip(g.sharded_params, g.infos))
     return out
 
@@ -526,6 +537,7 @@ def test_fsdp_two_ranks_numerics_counts_layout_no_sync():
         lay = rank_res["layout"]
         assert lay["isinstance"] == [True] * (N + 1) and lay["class"] == "FSDPStack"
         assert lay["params"] and lay["sd"] and lay["sd_keys"] and lay["flat_views"]
+        assert lay["loaded"] == 0 and lay["loaded_forward"] < 1e-6
         assert abs(lay["clip"][0] - lay["clip"][1]) < 1e-5 and lay["clipped_grad_err"] < 1e-6
         counts, err = rank_res["no_sync"]
         assert counts == [(0, 0, True), (0, 0, True), (N + 1, 0, None)] * 2
