@@ -308,3 +308,78 @@ def init_process_group(backend: str = "gloo", *, timeout_s: float = 60.0, **kwar
     """Initialise the default process group with a finite timeout (dtshard never waits forever)."""
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Flat, optionally asynchronous collectives into caller-given buffers (used by dtshard.fsdp).
+# Eager only: FSDP issues them from module and autograd hooks on plain tensors, and lets the
+# work run while the next layer computes.  Each returns the backend's work handle (``.wait()``)
+# when ``async_op=True``, else waits and returns None.  Traffic is reported when the call is
+# issued, with the same byte accounting as the functions above.
+# ---------------------------------------------------------------------------------------------
+
+
+def _process_group(mesh: DeviceMesh, mesh_dim: int):
+    key = (id(mesh), mesh_dim)
+    hit = _pgs.get(key)
+    if hit is None or hit[0]() is not mesh:
+        return _cache_put(_pgs, key, mesh, mesh.get_group(mesh_dim))
+    return hit[1]
+
+
+def _finish(work, async_op: bool):
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def all_gather_into(out: torch.Tensor, x: torch.Tensor, mesh: DeviceMesh, mesh_dim: int, *,
+                    async_op: bool = False):
+    """Concatenate every rank's contiguous ``x`` along dim 0 into ``out`` (``n * x.numel()``
+    elements, contiguous, same dtype): one ``all_gather_into_tensor`` over one mesh dim."""
+    pg = _process_group(mesh, mesh_dim)
+    n = mesh.size(mesh_dim)
+    if out.numel() != n * x.numel() or out.dtype != x.dtype or not (out.is_contiguous() and x.is_contiguous()):
+        raise ValueError(
+            f"all_gather_into: output of {out.numel()} {out.dtype} elements cannot hold {n} contiguous "
+            f"inputs of {x.numel()} {x.dtype} elements (mesh dim {mesh_dim} of mesh {tuple(mesh.shape)})")
+    if _observers:
+        _notify("all_gather", mesh_dim, (n - 1) * _nbytes(x), n)
+    return _finish(pg._allgather_base(out, x), async_op)
+
+
+def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, op: str, mesh: DeviceMesh, mesh_dim: int, *,
+                        async_op: bool = False):
+    """Reduce the contiguous ``x`` (``n * out.numel()`` elements) over one mesh dim; rank ``i``
+    gets block ``i`` in ``out``.  ``op``: ``sum``, ``max`` or ``min`` (gloo has no ``avg`` for
+    reduce_scatter: callers divide afterwards)."""
+    pg = _process_group(mesh, mesh_dim)
+    n = mesh.size(mesh_dim)
+    if op not in _REDUCE_OPS:
+        raise ValueError(f"reduce_scatter_into: op {op!r} is not one of {sorted(_REDUCE_OPS)}")
+    if x.numel() != n * out.numel() or out.dtype != x.dtype or not (out.is_contiguous() and x.is_contiguous()):
+        raise ValueError(
+            f"reduce_scatter_into: input of {x.numel()} {x.dtype} elements does not split into {n} "
+            f"outputs of {out.numel()} {out.dtype} elements (mesh dim {mesh_dim} of mesh {tuple(mesh.shape)})")
+    if _observers:
+        _notify("reduce_scatter", mesh_dim, (n - 1) * _nbytes(x) // n, n)
+    opts = dist.ReduceScatterOptions()
+    opts.reduceOp = _REDUCE_OPS[op]
+    return _finish(pg._reduce_scatter_base(out, x, opts), async_op)
+
+
+def all_reduce_(x: torch.Tensor, op: str, mesh: DeviceMesh, mesh_dim: int, *, async_op: bool = False):
+    """In-place elementwise reduction (``sum``, ``max``, ``min``) of the contiguous ``x`` over
+    one mesh dim."""
+    pg = _process_group(mesh, mesh_dim)
+    n = mesh.size(mesh_dim)
+    if op not in _REDUCE_OPS:
+        raise ValueError(f"all_reduce_: op {op!r} is not one of {sorted(_REDUCE_OPS)}")
+    if not x.is_contiguous():
+        raise ValueError("all_reduce_: the tensor must be contiguous (it is reduced in place)")
+    if _observers:
+        _notify("all_reduce", mesh_dim, 2 * (n - 1) * _nbytes(x) // n, n)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = _REDUCE_OPS[op]
+    return _finish(pg.allreduce([x], opts), async_op)

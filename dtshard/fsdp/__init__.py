@@ -1,0 +1,16 @@
+"""``dtshard.fsdp``: fully sharded data parallelism with PyTorch 2.13's FSDP2 API.
+
+    from dtshard.fsdp import fully_shard, MixedPrecisionPolicy
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+User code written for ``torch.distributed.fsdp.fully_shard`` changes only its import.  The policy
+classes are PyTorch's own.  See :func:`fully_shard` and ``dtshard/fsdp/_group.py`` (layout).
+"""
+
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+from dtshard.fsdp._api import FSDPModule, UnshardHandle, fully_shard
+
+__all__ = ["CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "UnshardHandle", "fully_shard"]

@@ -1,0 +1,246 @@
+"""``fully_shard`` and ``FSDPModule``: PyTorch 2.13's FSDP2 API on dtshard DTensors."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+from dtshard import collectives as C
+from dtshard.tensor import DTensor
+from dtshard.fsdp._group import ParamGroup
+from dtshard.fsdp._state import FSDPState
+
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle"]
+
+
+class UnshardHandle:
+    """Returned by ``FSDPModule.unshard(async_op=True)``: ``wait()`` finishes the all_gather."""
+
+    def __init__(self, states: list):
+        self._states = states
+
+    def wait(self) -> None:
+        for s in self._states:
+            s.group.wait_unshard()
+        self._states = []
+
+
+class FSDPModule:
+    """Mixed into the class of every module ``fully_shard`` was applied to (``FSDP<Class>``), so
+    ``isinstance(m, dtshard.fsdp.FSDPModule)`` holds and the methods below are available."""
+
+    def __new__(cls, *args, **kwargs):
+        # Containers build new instances of their own class (``nn.Sequential.__getitem__`` with
+        # a slice): those are new, unsharded modules, so build the original class.
+        orig = cls.__mro__[2]
+        self = orig.__new__(orig, *args, **kwargs)
+        self.__init__(*args, **kwargs)
+        return self
+
+    def __deepcopy__(self, memo):
+        raise RuntimeError(
+            "dtshard.fsdp: a fully_shard module cannot be deep-copied (its parameters are shards with "
+            "hooks); save and load its state_dict() instead, or deep-copy the model before fully_shard.")
+
+    @property
+    def _fsdp_state(self) -> FSDPState:
+        return self._dtshard_fsdp
+
+    def _fsdp_states(self, recurse: bool) -> list:
+        if not recurse:
+            return [self._dtshard_fsdp]
+        return [m._dtshard_fsdp for m in self.modules() if isinstance(m, FSDPModule)]
+
+    def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
+        """All-gather this module's group (one collective); with ``async_op`` return a handle
+        whose ``wait()`` finishes it (the next forward waits for it anyway)."""
+        state = self._dtshard_fsdp
+        state.group.unshard(async_op=async_op)
+        return UnshardHandle([state]) if async_op else None
+
+    def reshard(self) -> None:
+        """Free the full parameters (the sharded ones are always kept)."""
+        self._dtshard_fsdp.group.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """With ``False``, backward accumulates the full gradients locally (in the reduce dtype)
+        without any reduce_scatter; the next backward with ``True`` reduces the sum."""
+        for s in self._fsdp_states(recurse):
+            s.group.requires_gradient_sync = requires_gradient_sync
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"set_reshard_after_forward: expects a bool, got {reshard_after_forward!r}")
+        for s in self._fsdp_states(recurse):
+            s.group.reshard_after_forward = reshard_after_forward
+            s.auto_reshard = False
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        for s in self._fsdp_states(recurse):
+            s.group.reshard_after_backward = reshard_after_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list) -> None:
+        """Start these modules' all_gathers when this module's forward starts (replaces the
+        default of prefetching the next module in forward order)."""
+        self._dtshard_fsdp.forward_prefetch = [_state_of(m, "set_modules_to_forward_prefetch") for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list) -> None:
+        """Start these modules' all_gathers when this module's backward starts (replaces the
+        default of prefetching the previous module in forward order)."""
+        self._dtshard_fsdp.backward_prefetch = [_state_of(m, "set_modules_to_backward_prefetch") for m in modules]
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """With ``False`` the end of backward does not wait for the gradient reductions (they
+        finish at the end of the next backward with ``True``, or at the next root forward)."""
+        state = self._dtshard_fsdp
+        state.lazy_init()
+        state.ctx.is_last_backward = is_last_backward
+
+
+def _state_of(m, what: str) -> FSDPState:
+    if not isinstance(m, FSDPModule):
+        raise ValueError(f"{what}: {type(m).__name__} is not a fully_shard module")
+    return m._dtshard_fsdp
+
+
+_fsdp_classes: dict = {}
+
+
+def _fsdp_class(cls: type) -> type:
+    hit = _fsdp_classes.get(cls)
+    if hit is None:
+        hit = _fsdp_classes[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    return hit
+
+
+def _default_mesh():
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise RuntimeError("fully_shard: no mesh given and no default process group; call "
+                           "dtshard.collectives.init_process_group() or pass mesh=")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return C.init_device_mesh(device, (dist.get_world_size(),))
+
+
+def fully_shard(
+    module,
+    *,
+    mesh=None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: set | None = None,
+    dp_mesh_dims: Any = None,
+):
+    """Shard ``module``'s parameters over ``mesh`` (PyTorch 2.13's ``fully_shard``, same signature).
+
+    Apply it bottom-up (each block, then the root).  The parameters it owns (those of
+    ``module.parameters()`` not owned by an earlier call on a submodule, minus ``ignored_params``)
+    become ``dtshard.DTensor`` parameters, ``Shard(0)`` on a 1-D mesh (FSDP) or
+    ``(Replicate(), Shard(0))`` on a 2-D ``(replicate, shard)`` mesh (HSDP), and form one group:
+    one all_gather before the module's forward (and again before its backward when
+    ``reshard_after_forward``), one reduce_scatter of its gradients (plus, HSDP, one all_reduce
+    across replicas).  ``reshard_after_forward=None``: True except for the root.  Every rank must
+    hold the same initial parameters (as with PyTorch).  Returns ``module``, whose class now
+    also derives from :class:`FSDPModule`.
+
+    Not yet supported (raise): a list of modules, an int ``reshard_after_forward``, placements
+    other than ``Shard(0)`` from ``shard_placement_fn``, ``dp_mesh_dims`` (FSDP x TP on one
+    SPMD mesh), parameters that already are DTensors (TP), 0-dim parameters.
+    """
+    where = f"fully_shard({type(module).__name__})"
+    # ---- validate everything before touching the module: the same checks on every rank, so a
+    # bad call raises everywhere and no collective was issued
+    if isinstance(module, (list, tuple)):
+        raise NotImplementedError(f"fully_shard: a list of modules is not supported yet; call it on each module")
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"fully_shard: expects an nn.Module, got {type(module).__name__}")
+    if isinstance(module, FSDPModule) or getattr(module, "_dtshard_fsdp", None) is not None:
+        raise ValueError(f"{where}: fully_shard was already applied to this module; apply it once per "
+                         "module (bottom-up: blocks first, then the root)")
+    if dp_mesh_dims is not None:
+        raise NotImplementedError(f"{where}: dp_mesh_dims (FSDP on an SPMD mesh with TP) is not supported yet")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(f"{where}: reshard_after_forward={reshard_after_forward!r}: only True, False "
+                                  "or None are supported (not resharding to a smaller world size)")
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise ValueError(f"{where}: mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise ValueError(f"{where}: offload_policy must be a torch.distributed.fsdp.OffloadPolicy")
+    mesh = mesh if mesh is not None else _default_mesh()
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"{where}: mesh {tuple(mesh.shape)} must be 1-D (FSDP) or 2-D (replicate, shard) (HSDP)")
+    device = torch.device(mesh.device_type) if mesh.device_type == "cpu" else \
+        torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+
+    ignored = set(ignored_params or ())
+    claimed = set()  # parameters of submodules that already are FSDP groups
+    for sub in module.modules():
+        if sub is not module and getattr(sub, "_dtshard_fsdp", None) is not None:
+            claimed.update(id(p) for p in sub.parameters())
+    owners: dict = {}  # id(param) -> (fqn, param, [(owner, name)])
+    for mname, sub in module.named_modules(remove_duplicate=False):
+        for pname, p in sub._parameters.items():
+            if p is None or id(p) in claimed or p in ignored:
+                continue
+            fqn = f"{mname}.{pname}" if mname else pname
+            entry = owners.setdefault(id(p), (fqn, p, []))
+            if (sub, pname) not in [(o, n) for o, n in entry[2]]:
+                entry[2].append((sub, pname))
+    params = list(owners.values())
+    devices = sorted({str(p.device) for _, p, _ in params})
+    if len(devices) > 1:
+        listing = ", ".join(f"{fqn}: {p.device}" for fqn, p, _ in params)
+        raise ValueError(f"{where}: the parameters are on different devices ({listing}); move the module "
+                         f"to one device (the mesh's, {mesh.device_type}) before fully_shard")
+    from torch.distributed.tensor import DTensor as TorchDTensor
+
+    for fqn, p, _ in params:
+        if isinstance(p, TorchDTensor):
+            raise ValueError(
+                f"{where}: parameter {fqn!r} (shape {tuple(p.shape)}, placements {p.placements}) is a "
+                "torch.distributed.tensor.DTensor; dtshard.fsdp shards dtshard DTensors: convert it first "
+                "with dtshard.DTensor.from_torch(param), or pass plain tensors")
+        if getattr(p, "_dtshard_fsdp_sharded", False):
+            raise ValueError(
+                f"{where}: parameter {fqn!r} (shape {tuple(p.shape)}) is already sharded by fully_shard on an "
+                "enclosing module; apply fully_shard bottom-up: each block first, then the root")
+        if isinstance(p, DTensor):
+            raise NotImplementedError(
+                f"{where}: parameter {fqn!r} (shape {tuple(p.shape)}) already is a dtshard DTensor with "
+                f"placements {p.placements}; FSDP over tensor-parallel parameters is not supported yet")
+        if p.dim() == 0:
+            raise NotImplementedError(f"{where}: parameter {fqn!r} is 0-dim; FSDP shards dim 0 (make it shape (1,))")
+        if p.device.type == "meta":
+            raise NotImplementedError(f"{where}: parameter {fqn!r} is on the meta device; materialize it first")
+        if shard_placement_fn is not None:
+            placement = shard_placement_fn(p)
+            if placement is not None and not (getattr(placement, "dim", None) == 0 and type(placement).__name__ == "Shard"):
+                raise NotImplementedError(
+                    f"{where}: shard_placement_fn returned {placement!r} for {fqn!r}; only Shard(0) is supported yet")
+    dtypes = sorted({str(p.dtype) for _, p, _ in params})
+    if len(dtypes) > 1:
+        raise NotImplementedError(
+            f"{where}: the parameters of one group must share a dtype, got {dtypes}; call fully_shard on "
+            "submodules so each group has one dtype")
+    if any(p.dtype.is_complex or not p.dtype.is_floating_point for _, p, _ in params):
+        raise NotImplementedError(f"{where}: only floating-point parameters are supported, got {dtypes}")
+
+    # ---- build the group
+    if params and params[0][1].device != device:
+        with torch.no_grad():
+            params = [(fqn, p.to(device), o) for fqn, p, o in params]
+    for buf_owner in module.modules():  # buffers follow the module to the mesh's device (as PyTorch)
+        for k, b in buf_owner._buffers.items():
+            if b is not None and b.device != device:
+                buf_owner._buffers[k] = b.to(device)
+    group = ParamGroup(module, params, mesh, device, mp_policy, offload_policy,
+                       reshard_after_forward if reshard_after_forward is not None else True)
+    module._dtshard_fsdp = FSDPState(module, group, mp_policy, auto_reshard=reshard_after_forward is None)
+    module.__class__ = _fsdp_class(type(module))
+    return module

@@ -1,0 +1,310 @@
+"""One FSDP parameter group: the parameters one ``fully_shard`` call owns, their flat buffers and
+the collectives that move them.
+
+Layout (all sizes follow from the parameters' global shapes and the mesh, the same on every rank):
+with ``W`` ranks on the shard mesh dim, parameter ``i`` of global shape ``(R_i, *rest_i)`` is cut
+along dim 0 the way ``torch.chunk`` cuts it (``c_i = ceil(R_i / W)`` rows per rank, the last
+ranks short or empty).  Every rank's piece of parameter ``i`` is padded to ``c_i * prod(rest_i)``
+elements, so the group's flat shard ``S = sum_i c_i * prod(rest_i)`` is the same size on every rank::
+
+    rank r's flat shard:   [ p0 rows of r | pad ][ p1 rows of r | pad ] ...      (S elements)
+    all_gather output:     [ rank 0's flat shard ][ rank 1's flat shard ] ...    (W * S elements)
+
+The sharded parameters (``dtshard.DTensor``, ``Shard(0)`` on the shard dim) are views into the
+flat shard, so one ``all_gather_into_tensor`` of it gathers the whole group.  Parameter ``i`` is
+then strided across the gathered buffer (rank-major), so it is copied out, parameter after
+parameter, into the group's flat unsharded buffer, of which the full parameters are views.
+Gradients go the other way: copied (cast to the reduce dtype) into a ``W * S`` buffer in the
+gathered layout, one ``reduce_scatter`` leaves this rank's flat gradient shard, whose pieces are
+the sharded gradients.  HSDP (2-D mesh ``(replicate, shard)``) then all-reduces that shard across
+the replicate dim.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor.placement_types import Replicate, Shard
+
+from dtshard import _trace
+from dtshard import collectives as C
+from dtshard.spec import DTensorSpec, chunk_range, contiguous_strides
+from dtshard.tensor import DTensor
+
+
+class _fsdp_op:
+    """Traffic issued inside is attributed to ``<fsdp>`` by ``CommCounter`` (``CommRecord.op``)."""
+
+    def __enter__(self):
+        self.prev = _trace.current_op[0]
+        _trace.current_op[0] = "<fsdp>"
+
+    def __exit__(self, *exc):
+        _trace.current_op[0] = self.prev
+        return False
+
+
+@dataclass
+class _ParamInfo:
+    """Where one parameter lives in the group's buffers (metadata shared by all ranks)."""
+
+    fqn: str  # name relative to the fully_shard module, for error messages
+    owners: list  # [(submodule, attribute name)]: where it is registered (several if tied)
+    shape: tuple
+    row_numel: int  # elements of one dim-0 row
+    padded: int  # elements of one rank's padded piece (c_i * row_numel)
+    shard_offset: int  # offset of its piece in the flat shard
+    local_rows: int  # rows this rank holds (torch.chunk layout)
+    full_offset: int  # offset in the flat unsharded buffer
+    numel: int
+    requires_grad: bool
+
+
+class ParamGroup:
+    """The parameters of one ``fully_shard`` call.  States: sharded -> (gathering) -> unsharded."""
+
+    def __init__(self, module: nn.Module, params: list, mesh, device: torch.device, mp_policy,
+                 offload_policy, reshard_after_forward: bool):
+        self.module = module
+        self.mesh = mesh
+        self.device = device
+        self.hsdp = mesh.ndim == 2
+        self.shard_dim = mesh.ndim - 1  # HSDP: (replicate, shard)
+        self.W = mesh.size(self.shard_dim)
+        self.dp_size = mesh.size()  # gradients are averaged over every data-parallel rank
+        self.rank = C.mesh_dim_rank(mesh, self.shard_dim)
+        self.placements = (Replicate(), Shard(0)) if self.hsdp else (Shard(0),)
+        self.mp = mp_policy
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        self.offload = isinstance(offload_policy, CPUOffloadPolicy)
+        # where the sharded parameters (and the optimizer state) live
+        self.shard_device = torch.device("cpu") if self.offload else device
+        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.infos: list[_ParamInfo] = []
+        self.sharded_params: list[nn.Parameter] = []
+        self.orig_dtype = params[0][1].dtype if params else torch.float32
+        self.param_dtype = mp_policy.param_dtype or self.orig_dtype
+        self.reduce_dtype = mp_policy.reduce_dtype or self.param_dtype
+        self.state = "sharded"
+        self._gather_work = None  # (work, gathered buffer) while an all_gather is in flight
+        self._acc: Optional[torch.Tensor] = None  # gradients accumulated without sync (gathered layout)
+        self._init_buffers(params)
+
+    # ---- construction -------------------------------------------------------------------
+    def _init_buffers(self, params: list) -> None:
+        shard_off = full_off = 0
+        for fqn, p, owners in params:
+            shape = tuple(p.shape)
+            rows = shape[0]
+            row_numel = math.prod(shape[1:])
+            c = -(-rows // self.W)
+            _, local_rows = chunk_range(rows, self.W, self.rank)
+            numel = p.numel()
+            self.infos.append(_ParamInfo(fqn, owners, shape, row_numel, c * row_numel, shard_off, local_rows,
+                                         full_off, numel, p.requires_grad))
+            shard_off += c * row_numel
+            full_off += numel
+        self.S = shard_off
+        self.full_numel = full_off
+        # the flat shard: zeros in the padding, so the gathered padding is deterministic
+        self.flat_shard = torch.zeros(self.S, dtype=self.orig_dtype, device=self.shard_device)
+        for info, (fqn, p, owners) in zip(self.infos, params):
+            start, _ = chunk_range(info.shape[0], self.W, self.rank)
+            with torch.no_grad():
+                local = self._shard_view(self.flat_shard, info)
+                local.copy_(p.detach()[start:start + info.local_rows])
+            spec = DTensorSpec(self.mesh, self.placements, info.shape, contiguous_strides(info.shape), self.orig_dtype)
+            sharded = nn.Parameter(DTensor(local, spec, requires_grad=False), requires_grad=p.requires_grad)
+            sharded._dtshard_fsdp_sharded = True  # a later fully_shard on a submodule must not take it
+            self.sharded_params.append(sharded)
+            for owner, name in owners:
+                owner._parameters[name] = sharded
+        # the flat unsharded buffer: its storage is allocated while unsharded and resized to 0
+        # when resharded, so the full-parameter views (and the tensors autograd saved from them)
+        # stay the same objects across reshard / unshard
+        self.flat_full = torch.empty(self.full_numel, dtype=self.param_dtype, device=self.device)
+        self._free(self.flat_full)
+
+    @staticmethod
+    def _shard_view(flat: torch.Tensor, info: _ParamInfo) -> torch.Tensor:
+        n = info.local_rows * info.row_numel
+        return flat[info.shard_offset:info.shard_offset + n].view((info.local_rows,) + info.shape[1:])
+
+    @staticmethod
+    def _free(t: torch.Tensor) -> None:
+        t.untyped_storage().resize_(0)
+
+    def _alloc_full(self) -> None:
+        nbytes = self.full_numel * self.flat_full.element_size()
+        if self.flat_full.untyped_storage().size() != nbytes:
+            self.flat_full.untyped_storage().resize_(nbytes)
+
+    # ---- unshard / reshard ----------------------------------------------------------------
+    def _gather_input(self) -> torch.Tensor:
+        """This rank's flat shard in the param dtype on the compute device.  The sharded
+        parameters are views of ``flat_shard`` unless something replaced a local tensor (then
+        every piece is copied in, which also casts for mixed precision)."""
+        direct = self.param_dtype == self.orig_dtype and self.shard_device == self.device
+        if direct and all(self._is_view_of_flat(p, info) for p, info in zip(self.sharded_params, self.infos)):
+            return self.flat_shard
+        inp = torch.zeros(self.S, dtype=self.param_dtype, device=self.device)
+        for p, info in zip(self.sharded_params, self.infos):
+            self._shard_view(inp, info).copy_(p._local_tensor)  # the cast is fused into the copy-in
+        return inp
+
+    def _is_view_of_flat(self, p, info) -> bool:
+        local = p._local_tensor
+        return (local.untyped_storage().data_ptr() == self.flat_shard.untyped_storage().data_ptr()
+                and local.storage_offset() == self.flat_shard.storage_offset() + info.shard_offset
+                and local.is_contiguous() and local.dtype == self.orig_dtype)
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Start (``async_op``) or do the group's ONE all_gather; no-op when not sharded."""
+        if self.state == "gathering" and not async_op:
+            return self.wait_unshard()  # prefetched: finish it
+        if self.state != "sharded" or not self.infos:
+            return
+        with torch.no_grad():
+            inp = self._gather_input()
+            out = torch.empty(self.W * self.S, dtype=self.param_dtype, device=self.device)
+            with _fsdp_op():
+                work = C.all_gather_into(out, inp, self.mesh, self.shard_dim, async_op=True)
+        self._gather_work = (work, out, inp)
+        self.state = "gathering"
+        if not async_op:
+            self.wait_unshard()
+
+    def wait_unshard(self) -> None:
+        """Finish an all_gather in flight: copy each parameter out into the flat unsharded buffer."""
+        if self.state != "gathering":
+            return
+        work, out, inp = self._gather_work
+        self._gather_work = None
+        work.wait()
+        if inp is not self.flat_shard:
+            self._free(inp)  # a copy-in buffer
+        self._alloc_full()
+        gathered = out.view(self.W, self.S)
+        # the copy-out writes the storage autograd saved views of; the data is the same parameter
+        # value, so keep the version counter (as PyTorch's FSDP2 does)
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.flat_full):
+            for info in self.infos:
+                full = self.flat_full[info.full_offset:info.full_offset + info.numel]
+                for dst, src in self._rank_pieces(full, gathered, info):
+                    dst.copy_(src)
+        # free the gathered buffer now, on this thread: the backend's work object may hold a
+        # reference a little longer (and drop it on its own thread)
+        self._free(out)
+        self._versions = self._sharded_versions()
+        self.state = "unsharded"
+
+    def _sharded_versions(self) -> list:
+        return [p._version for p in self.sharded_params]
+
+    def is_stale(self) -> bool:
+        """True when a sharded parameter changed in place (an optimizer step, load_state_dict)
+        since the full parameters were gathered: they must be gathered again."""
+        return self.state == "unsharded" and self._versions != self._sharded_versions()
+
+    def _rank_pieces(self, full: torch.Tensor, gathered: torch.Tensor, info: _ParamInfo):
+        """Pairs (piece of the flat full parameter, the same elements in the (W, S) gathered
+        layout) covering the parameter in at most two strided views, no temporary: the ranks
+        holding a whole chunk of ``c`` rows, then the one short chunk (empty ones hold nothing)."""
+        chunk = info.padded  # c rows
+        whole = info.numel // chunk if chunk else 0
+        pieces = []
+        if whole:
+            pieces.append((full[:whole * chunk].view(whole, chunk),
+                           gathered[:whole, info.shard_offset:info.shard_offset + chunk]))
+        rest = info.numel - whole * chunk
+        if rest:
+            pieces.append((full[whole * chunk:], gathered[whole, info.shard_offset:info.shard_offset + rest]))
+        return pieces
+
+    def reshard(self) -> None:
+        if self.state == "gathering":
+            self.wait_unshard()
+        if self.state == "unsharded":
+            self._free(self.flat_full)
+            self.state = "sharded"
+
+    def full_views(self) -> list[torch.Tensor]:
+        """Fresh views of the full parameters (one set per forward call: autograd attaches each
+        forward's history to its own tensors)."""
+        return [self.flat_full[i.full_offset:i.full_offset + i.numel].view(i.shape) for i in self.infos]
+
+    # ---- gradients ------------------------------------------------------------------------
+    def reduce_grads(self, grads) -> Optional[tuple]:
+        """Post-backward: put the full gradients (None where a parameter got none) into the
+        gathered layout in the reduce dtype; without gradient sync accumulate them there, else
+        start the ONE reduce_scatter.  Returns what :meth:`finish_reduce` needs, or None."""
+        got = [g is not None for g in grads]
+        if not any(got):
+            return None
+        with torch.no_grad():
+            if self._acc is not None:
+                buf = self._acc
+            else:
+                buf = torch.zeros(self.W * self.S, dtype=self.reduce_dtype, device=self.device)
+            view = buf.view(self.W, self.S)
+            for g, info in zip(grads, self.infos):
+                if g is None:
+                    continue
+                for src, dst in self._rank_pieces(g.reshape(-1), view, info):
+                    dst.add_(src)  # casts to the reduce dtype
+            had = getattr(self, "_acc_got", [False] * len(self.infos))
+            got = [a or b for a, b in zip(got, had)]
+            if not self.requires_gradient_sync:
+                self._acc, self._acc_got = buf, got
+                return None
+            self._acc = None
+            self._acc_got = [False] * len(self.infos)
+            if self.reduce_dtype in (torch.float16, torch.bfloat16):
+                buf.div_(self.dp_size)  # low precision: divide first so the sum cannot overflow
+            out = torch.empty(self.S, dtype=self.reduce_dtype, device=self.device)
+            with _fsdp_op():
+                work = C.reduce_scatter_into(out, buf, "sum", self.mesh, self.shard_dim, async_op=True)
+        return [work, out, buf, got]
+
+    def start_replicate_reduce(self, pending: list) -> None:
+        """HSDP: once the reduce_scatter is done, start the all_reduce across the replicate dim."""
+        work, out = pending[0], pending[1]
+        work.wait()
+        self._free(pending[2])  # the reduce_scatter input (see wait_unshard)
+        if self.hsdp:
+            with _fsdp_op():
+                pending[0] = C.all_reduce_(out, "sum", self.mesh, 0, async_op=True)
+        else:
+            pending[0] = None
+        pending[2] = None  # the reduce_scatter input can go
+
+    def finish_reduce(self, pending: list) -> None:
+        """Wait for the group's reduction and add this rank's gradient shards to the sharded
+        parameters' ``.grad`` (DTensors with the parameters' placements, in their dtype)."""
+        work, out, _, got = pending
+        if work is not None:
+            work.wait()
+        with torch.no_grad():
+            if self.reduce_dtype not in (torch.float16, torch.bfloat16):
+                out.div_(self.dp_size)
+            for p, info, has in zip(self.sharded_params, self.infos, got):
+                if not has or not p.requires_grad:
+                    continue
+                local = self._shard_view(out, info).to(device=self.shard_device, dtype=self.orig_dtype)
+                if p.grad is None:
+                    # a DTensor with the parameter's layout, already reduced (Shard, no Partial):
+                    # dtshard's settle-grad hook has nothing to do for it
+                    p.grad = DTensor(local, p._spec, requires_grad=False)
+                else:
+                    if p.grad._spec.placements != p._spec.placements:
+                        # a gradient autograd accumulated into the sharded parameter itself (it
+                        # was used outside the module's forward, e.g. in a regularizer)
+                        p.grad = p.grad.redistribute(self.mesh, self.placements)
+                    p.grad._local_tensor.add_(local)

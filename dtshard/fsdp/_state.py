@@ -1,0 +1,265 @@
+"""Per-module FSDP state: the hooks that drive a group through forward and backward, and the
+per-model context the root shares with every group under it.
+
+One training step with blocks ``b1..bN`` under a root ``r`` (``reshard_after_forward=None``):
+
+    forward   r.pre: gather r (sync);  b1.pre: gather b1, prefetch b2;  b1 runs;  b1.post: free b1 ...
+    backward  bN.pre-backward: gather bN, prefetch bN-1; ... bN's grads done -> reduce_scatter bN
+              (async) ... r's grads done -> reduce_scatter r;  end of backward (engine callback):
+              wait every reduction, set the sharded .grad, free what is still unsharded.
+
+The full parameters are handed to the module by :class:`_Unshard`, an autograd Function whose
+inputs are the sharded parameters and whose outputs are views of the flat unsharded buffer.
+The engine runs its backward once, after every gradient of those outputs is complete, which is
+exactly when the group's gradients can be reduced (the post-backward hook).  It returns no
+gradient for the sharded parameters: their ``.grad`` is set from the reduce_scatter instead.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten, tree_map
+
+from dtshard.fsdp._group import ParamGroup
+
+
+class _Unshard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, state: "FSDPState", *sharded):
+        ctx.state = state
+        ctx.set_materialize_grads(False)  # unused parameters: None, not zeros
+        views = state.group.full_views()
+        frozen = [v for v, p in zip(views, sharded) if not p.requires_grad]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return tuple(views)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.state._post_backward(grads)
+        return (None,) * (len(grads) + 1)
+
+
+class _Context:
+    """What the root and every FSDP module under it share for one model."""
+
+    def __init__(self, root: "FSDPState", states: list):
+        self.root = root
+        self.states = states
+        self.forward_order: list = []  # states in the order their forward started (1st step)
+        self.order_fixed = False
+        self.callback_queued = False
+        self.pending: list = []  # [(state, reduction)] waiting for the end of backward
+        self.is_last_backward = True
+
+
+class FSDPState:
+    """Attached to a module by ``fully_shard`` (``module._dtshard_fsdp``)."""
+
+    def __init__(self, module: nn.Module, group: ParamGroup, mp_policy, auto_reshard: bool):
+        self.module = module
+        self.group = group
+        self.mp = mp_policy
+        self.auto_reshard = auto_reshard  # reshard_after_forward=None: decided at lazy init
+        self.ctx: Optional[_Context] = None
+        self.forward_prefetch: Optional[list] = None  # explicit lists (set_modules_to_*_prefetch)
+        self.backward_prefetch: Optional[list] = None
+        self._bound: list = []  # (owner, name) entries put in owner.__dict__ for a forward
+        self._live = 0  # _Unshard nodes of this iteration whose backward has not run yet
+        self._handles = [module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
+                         module.register_forward_hook(self._post_forward)]
+
+    # ---- lazy init: the first module whose forward runs is the root -----------------------
+    def lazy_init(self) -> None:
+        if self.ctx is not None:
+            return
+        states = [m._dtshard_fsdp for m in self.module.modules() if getattr(m, "_dtshard_fsdp", None) is not None]
+        for s in states:
+            if s.ctx is not None:
+                raise RuntimeError(
+                    f"fully_shard: {type(s.module).__name__} already ran as part of another FSDP model "
+                    f"(root {type(s.ctx.root.module).__name__}); run the outermost fully_shard module first.")
+        ctx = _Context(self, states)
+        for s in states:
+            s.ctx = ctx
+            if s.auto_reshard:  # the root's parameters are needed first in backward: keep them
+                s.group.reshard_after_forward = s is not self
+
+    @property
+    def is_root(self) -> bool:
+        return self.ctx is not None and self.ctx.root is self
+
+    # ---- forward ---------------------------------------------------------------------------
+    def _pre_forward(self, module, args, kwargs):
+        self.lazy_init()
+        ctx = self.ctx
+        if _in_backward():
+            # a forward recomputed in backward (activation checkpointing): the group was
+            # gathered by its pre-backward hook; only hand the module its parameters
+            self.group.unshard()
+            self._bind(count=False)
+            return self._cast_inputs(args, kwargs)
+        if self.is_root:
+            self._finish_iteration()  # a forward without backward (eval) may have left work
+        if not ctx.order_fixed and self not in ctx.forward_order:
+            ctx.forward_order.append(self)
+        if self.group.is_stale():
+            # kept unsharded (the root, reshard_after_forward=False, a forward whose backward
+            # never ran) while the optimizer updated the shards: never compute on old values
+            self.group.reshard()
+        self.group.unshard()  # waits for a prefetched all_gather
+        for other in self._next_in_forward():
+            other.group.unshard(async_op=True)
+        self._bind()
+        return self._cast_inputs(args, kwargs)
+
+    def _cast_inputs(self, args, kwargs):
+        if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
+            cast = _caster(self.mp.param_dtype)
+            args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
+        return args, kwargs
+
+    def _post_forward(self, module, args, output):
+        ctx = self.ctx
+        self._unbind()
+        if self.mp.output_dtype is not None:
+            output = tree_map(_caster(self.mp.output_dtype), output)
+        if _in_backward():
+            return output  # recomputation: the post-backward hook frees the parameters
+        if self.is_root:
+            ctx.order_fixed = True
+        # without grad no backward will need the full parameters: free them (the root too)
+        if self.group.reshard_after_forward or not torch.is_grad_enabled():
+            self.group.reshard()
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors and torch.is_grad_enabled():
+            if any(t._base is not None for t in tensors):
+                warnings.warn(
+                    f"dtshard.fsdp: {type(self.module).__name__} returned a view; an in-place op on it "
+                    "(`out += y`) would drop the hook that all-gathers its parameters before its backward "
+                    "(backward then fails on freed parameters). Use out-of-place ops or .clone() it.",
+                    UserWarning, stacklevel=2)
+            register_multi_grad_hook(tensors, self._pre_backward, mode="any")
+        return output
+
+    def _bind(self, count: bool = True) -> None:
+        """Give the module its full parameters for this forward call.  The sharded parameters
+        stay in ``_parameters`` (so ``parameters()`` / ``state_dict()`` always see the sharded
+        DTensors); the full ones shadow them in the owners' instance ``__dict__``, which normal
+        attribute lookup reads before ``nn.Module.__getattr__`` looks in ``_parameters``."""
+        g = self.group
+        if not g.infos:
+            return
+        fulls = _Unshard.apply(self, *g.sharded_params)
+        if count and torch.is_grad_enabled() and any(p.requires_grad for p in g.sharded_params):
+            self._live += 1  # one more _Unshard node whose backward will run
+        for full, info in zip(fulls, g.infos):
+            for owner, name in info.owners:
+                owner.__dict__[name] = full
+                self._bound.append((owner, name))
+
+    def _unbind(self) -> None:
+        for owner, name in self._bound:
+            owner.__dict__.pop(name, None)
+        self._bound.clear()
+
+    def _next_in_forward(self) -> list:
+        if self.forward_prefetch is not None:
+            return self.forward_prefetch
+        order = self.ctx.forward_order
+        if self.ctx.order_fixed and self in order:
+            i = order.index(self)
+            return order[i + 1:i + 2]
+        return []
+
+    def _prev_in_forward(self) -> list:
+        if self.backward_prefetch is not None:
+            return self.backward_prefetch
+        order = self.ctx.forward_order
+        if self.ctx.order_fixed and self in order:
+            i = order.index(self)
+            return order[i - 1:i] if i > 0 else []
+        return []
+
+    # ---- backward --------------------------------------------------------------------------
+    def _pre_backward(self, grad) -> None:
+        ctx = self.ctx
+        if not ctx.callback_queued:
+            ctx.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        self.group.unshard()
+        if not self._bound and any(p.requires_grad for p in self.group.sharded_params):
+            # a forward recomputed in this backward (activation checkpointing inside the module's
+            # forward) reads the module's attributes: give it the full parameters, requiring grad
+            # as in forward so it saves the same tensors (that _Unshard node never runs backward)
+            with torch.enable_grad():  # backward runs with grad mode off
+                self._bind(count=False)
+        for other in self._prev_in_forward():
+            other.group.unshard(async_op=True)
+
+    def _post_backward(self, grads) -> None:
+        g = self.group
+        self._unbind()
+        # the previous group's reduce_scatter has had this group's backward to run: move it on
+        # (HSDP: start its all_reduce across replicas)
+        for s, red in self.ctx.pending:
+            if red[2] is not None:
+                s.group.start_replicate_reduce(red)
+        red = g.reduce_grads(grads)
+        if red is not None:
+            self.ctx.pending.append((self, red))
+        # a module called twice in one forward has two _Unshard nodes: free the full parameters
+        # only after the last of them, the other's backward may still read them
+        self._live = max(self._live - 1, 0)
+        if g.reshard_after_backward and self._live == 0:
+            g.reshard()
+
+    def _end_of_backward(self) -> None:
+        """Engine callback, after the whole backward: every gradient is reduced and in place
+        when ``backward()`` returns, so the optimizer reads finished sharded gradients."""
+        ctx = self.ctx
+        ctx.callback_queued = False
+        if ctx.is_last_backward:
+            self._drain()
+        for s in ctx.states:
+            s._unbind()
+            s._live = 0
+            if s.group.reshard_after_backward or s.group.state == "gathering":
+                s.group.reshard()  # also an unused prefetch, or a group whose backward never ran
+
+    def _drain(self) -> None:
+        ctx = self.ctx
+        for s, red in ctx.pending:
+            if red[2] is not None:
+                s.group.start_replicate_reduce(red)
+        for s, red in ctx.pending:
+            s.group.finish_reduce(red)
+        ctx.pending.clear()
+
+    def _finish_iteration(self) -> None:
+        ctx = self.ctx
+        if ctx.pending and ctx.is_last_backward:
+            self._drain()
+        for s in ctx.states:
+            s._live = 0
+            if s.group.state == "gathering":
+                s.group.reshard()
+
+
+def _in_backward() -> bool:
+    """True while the autograd engine runs a backward on this thread."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _caster(dtype: torch.dtype):
+    def cast(x):
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    return cast
