@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor.placement_types import Partial, Shard
 
-from dtshard.registry import OpCall, register_rule
+from dtshard.registry import OpCall, register_handler, register_rule
 from dtshard.rules._common import R, norm_dim
 
 aten = torch.ops.aten
@@ -149,16 +149,28 @@ def _squeeze_map(x, dims) -> dict[int, int]:
     return {d: d - sum(1 for r in dropped if r < d) for d in range(x.ndim) if d not in dropped}
 
 
-@register_rule([aten.squeeze.default, aten.squeeze_copy.default])
-def squeeze_rule(call: OpCall):
-    x = call.tensors[0]
-    return _dim_map_strategies(x, _squeeze_map(x, range(x.ndim)))
+#: squeeze of all dims, or of one, as squeeze.dims of the GLOBAL size-1 dims
+_SQUEEZE_AS_DIMS = {
+    aten.squeeze.default: aten.squeeze.dims, aten.squeeze.dim: aten.squeeze.dims,
+    aten.squeeze_.default: aten.squeeze_.dims, aten.squeeze_.dim: aten.squeeze_.dims,
+    aten.squeeze_copy.default: aten.squeeze_copy.dims, aten.squeeze_copy.dim: aten.squeeze_copy.dims,
+}
 
 
-@register_rule([aten.squeeze.dim, aten.squeeze_copy.dim])
-def squeeze_dim_rule(call: OpCall):
-    x = call.tensors[0]
-    return _dim_map_strategies(x, _squeeze_map(x, [norm_dim(call.arg(1, "dim"), x.ndim)] if x.ndim else []))
+@register_handler(list(_SQUEEZE_AS_DIMS))
+def squeeze_global_dims(op, args, kwargs):
+    """``squeeze()`` / ``squeeze(dim)`` drop the dims of size 1 of the GLOBAL tensor; run on a
+    shard they would also drop a dim whose shard happens to have one row (and keep it on the rank
+    whose shard has none).  Rewritten as ``squeeze.dims`` with the global dims, whose rule and
+    local check then keep every rank's shard consistent (in place too: squeeze_ is an in-place
+    view, see dispatch._set_wrapper_metadata)."""
+    x = args[0]
+    if op in (aten.squeeze.default, aten.squeeze_.default, aten.squeeze_copy.default):
+        dims = [d for d in range(x.ndim) if x.shape[d] == 1]
+    else:
+        d = norm_dim(args[1] if len(args) > 1 else kwargs["dim"], x.ndim) if x.ndim else None
+        dims = [d] if d is not None and x.shape[d] == 1 else []
+    return _SQUEEZE_AS_DIMS[op](x, dims)
 
 
 @register_rule([aten.squeeze.dims, aten.squeeze_copy.dims])
