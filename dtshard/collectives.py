@@ -128,6 +128,15 @@ def flat_group(mesh: DeviceMesh, dims: tuple[int, ...]):
 _pgs: dict[tuple[int, int], tuple] = {}
 
 
+def _group_object(mesh: DeviceMesh, mesh_dim):
+    """The ProcessGroup of one mesh dim (or of a tuple of them, flattened), cached per mesh."""
+    key = (id(mesh), mesh_dim)
+    hit = _pgs.get(key)
+    if hit is None or hit[0]() is not mesh:
+        return _cache_put(_pgs, key, mesh, _process_group(mesh, mesh_dim))
+    return hit[1]
+
+
 def _eager_group(mesh: DeviceMesh, mesh_dim: int, x: torch.Tensor):
     """The ProcessGroup object of one mesh dim when ``x`` is a plain tensor outside any tracing
     (no torch.compile, no dispatch mode): eager calls then go straight to the group, which
@@ -135,11 +144,7 @@ def _eager_group(mesh: DeviceMesh, mesh_dim: int, x: torch.Tensor):
     None otherwise: the functional collectives trace into graphs."""
     if type(x) is not torch.Tensor or x.is_complex() or torch.compiler.is_compiling() or _current_mode() is not None:
         return None  # complex: the functional ops move them as real views (gloo has no complex)
-    key = (id(mesh), mesh_dim)
-    hit = _pgs.get(key)
-    if hit is None or hit[0]() is not mesh:
-        return _cache_put(_pgs, key, mesh, _process_group(mesh, mesh_dim))
-    return hit[1]
+    return _group_object(mesh, mesh_dim)
 
 
 def _notify(kind: str, mesh_dim, nbytes: int, group_size: int, recv: int | None = None) -> None:
@@ -319,14 +324,6 @@ def init_process_group(backend: str = "gloo", *, timeout_s: float = 60.0, **kwar
 # ---------------------------------------------------------------------------------------------
 
 
-def _process_group(mesh: DeviceMesh, mesh_dim: int):
-    key = (id(mesh), mesh_dim)
-    hit = _pgs.get(key)
-    if hit is None or hit[0]() is not mesh:
-        return _cache_put(_pgs, key, mesh, mesh.get_group(mesh_dim))
-    return hit[1]
-
-
 def _finish(work, async_op: bool):
     if async_op:
         return work
@@ -338,8 +335,8 @@ def all_gather_into(out: torch.Tensor, x: torch.Tensor, mesh: DeviceMesh, mesh_d
                     async_op: bool = False):
     """Concatenate every rank's contiguous ``x`` along dim 0 into ``out`` (``n * x.numel()``
     elements, contiguous, same dtype): one ``all_gather_into_tensor`` over one mesh dim."""
-    pg = _process_group(mesh, mesh_dim)
-    n = mesh.size(mesh_dim)
+    pg = _group_object(mesh, mesh_dim)
+    n = group_size(mesh, mesh_dim)
     if out.numel() != n * x.numel() or out.dtype != x.dtype or not (out.is_contiguous() and x.is_contiguous()):
         raise ValueError(
             f"all_gather_into: output of {out.numel()} {out.dtype} elements cannot hold {n} contiguous "
@@ -354,8 +351,8 @@ def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, op: str, mesh: Devic
     """Reduce the contiguous ``x`` (``n * out.numel()`` elements) over one mesh dim; rank ``i``
     gets block ``i`` in ``out``.  ``op``: ``sum``, ``max`` or ``min`` (gloo has no ``avg`` for
     reduce_scatter: callers divide afterwards)."""
-    pg = _process_group(mesh, mesh_dim)
-    n = mesh.size(mesh_dim)
+    pg = _group_object(mesh, mesh_dim)
+    n = group_size(mesh, mesh_dim)
     if op not in _REDUCE_OPS:
         raise ValueError(f"reduce_scatter_into: op {op!r} is not one of {sorted(_REDUCE_OPS)}")
     if x.numel() != n * out.numel() or out.dtype != x.dtype or not (out.is_contiguous() and x.is_contiguous()):
@@ -372,8 +369,8 @@ def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, op: str, mesh: Devic
 def all_reduce_(x: torch.Tensor, op: str, mesh: DeviceMesh, mesh_dim: int, *, async_op: bool = False):
     """In-place elementwise reduction (``sum``, ``max``, ``min``) of the contiguous ``x`` over
     one mesh dim."""
-    pg = _process_group(mesh, mesh_dim)
-    n = mesh.size(mesh_dim)
+    pg = _group_object(mesh, mesh_dim)
+    n = group_size(mesh, mesh_dim)
     if op not in _REDUCE_OPS:
         raise ValueError(f"all_reduce_: op {op!r} is not one of {sorted(_REDUCE_OPS)}")
     if not x.is_contiguous():
