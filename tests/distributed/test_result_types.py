@@ -135,6 +135,12 @@ def _inplace_views():
             if d.stride() != want.stride():
                 problems.append(f"{name} {pl}: stride {d.stride()} vs {want.stride()}")
             _check(f"{name} {pl} then add", d + 1, want + 1, coord, problems)
+    # a dim whose SHARD has one row (global 2 on 2 ranks) is not squeezed; the size-1 dim is
+    b = torch.arange(6.0).reshape(2, 1, 3)
+    for name, fn in {"squeeze_()": lambda t: t.squeeze_(), "squeeze()": lambda t: t.squeeze(),
+                     "squeeze_(0)": lambda t: t.squeeze_(0), "squeeze(1)": lambda t: t.squeeze(1)}.items():
+        _check(f"{name} of (2, 1, 3) S(0)", fn(dtshard.distribute_tensor(b, mesh, [Shard(0)])), fn(b.clone()),
+               coord, problems)
     return problems
 
 
