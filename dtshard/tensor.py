@@ -467,7 +467,7 @@ def _runtime_entry_points() -> list:
         DTensor.__new__, DTensor.__tensor_flatten__, DTensor.__tensor_unflatten__,
         DTensor.__coerce_same_metadata_as_tangent__, DTensor.__coerce_tangent_metadata__,
         DTensorSpec.__eq__, DTensorSpec.__hash__,
-        _FromLocal.backward, _ToLocal.backward, _Redistribute.backward, _settle_grad,
+        _FromLocal.backward, _ToLocal.backward, _Redistribute.backward, _settle_grad, _grad_as_dtensor,
     ]
 
 
