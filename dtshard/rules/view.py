@@ -283,3 +283,79 @@ def diagonal_backward_rule(call: OpCall):
     d2 = norm_dim(call.arg(4, "dim2"), nd)
     rest = [d for d in range(nd) if d not in (d1, d2)]
     return _dim_map_strategies(g, {o: d for o, d in enumerate(rest)})
+
+
+# ---------------------------------------------------------------------------------------------
+# in-place views: unsqueeze_, squeeze_, t_, transpose_, as_strided_ (a handler)
+# ---------------------------------------------------------------------------------------------
+#
+# These ops change the SHAPE of ``self`` in place.  The dispatcher's generic in-place path runs the
+# local op and returns ``self`` with its spec untouched, which is right for add_ & co. but would
+# leave an in-place view with a stale global shape over a reshaped local shard.  Every later plan
+# would then be computed from a global shape that no longer describes the data, so different
+# ranks run local ops on shards that do not match their placements: one rank raises while the
+# others enter a collective, or the ranks issue collectives of different sizes (the gloo abort
+# "Received data size doesn't match expected size" of a group-norm double backward, whose
+# decomposition calls unsqueeze_).  The handler plans the functional view on self's spec (pure
+# metadata: the same plan on every rank), requires that it moves no data (an in-place view
+# cannot), then updates all three in step: the local shard (in place, so its views stay
+# aliased), self's spec, and the wrapper's own sizes and strides.
+
+from dtshard.registry import _on_change, register_handler  # noqa: E402
+
+_INPLACE_VIEWS = {
+    aten.unsqueeze_.default: aten.unsqueeze.default,
+    aten.squeeze_.default: aten.squeeze.default,
+    aten.squeeze_.dim: aten.squeeze.dim,
+    aten.squeeze_.dims: aten.squeeze.dims,
+    aten.t_.default: aten.t.default,
+    aten.transpose_.default: aten.transpose.int,
+    aten.as_strided_.default: aten.as_strided.default,
+}
+_inplace_view_plans: dict = {}
+_on_change.append(lambda plans=True: _inplace_view_plans.clear() if plans else None)
+
+
+def _hashable(a):
+    return tuple(_hashable(b) for b in a) if isinstance(a, (list, tuple)) else a
+
+
+@register_handler(list(_INPLACE_VIEWS))
+def inplace_view_handler(op, args, kwargs):
+    from torch.utils._mode_utils import no_dispatch
+
+    from dtshard.propagate import _error_context, _Slot, propagate
+    from dtshard.spec import DTensorSpec, placements_str
+    from dtshard.tensor import DTensor
+
+    self, rest = args[0], tuple(args[1:])
+    if not isinstance(self, DTensor) or any(isinstance(a, torch.Tensor) for a in rest + tuple(kwargs.values())):
+        raise TypeError(f"{op}: expected a DTensor self and non-tensor arguments")
+    if op in (aten.squeeze_.default, aten.squeeze_.dim, aten.squeeze_.dims):
+        # squeeze exactly the dims of GLOBAL size 1: a shard of size 1 (or 0) of a longer dim must
+        # stay (squeeze_ on the local shard alone would drop it on some ranks only)
+        asked = range(self.ndim) if op is aten.squeeze_.default else (
+            [rest[0]] if op is aten.squeeze_.dim else list(rest[0]))
+        dims = [norm_dim(d, self.ndim) for d in asked] if self.ndim else []
+        op, rest, kwargs = aten.squeeze_.dims, ([d for d in dims if self.shape[d] == 1],), {}
+    functional = _INPLACE_VIEWS[op]
+    key = (op, self._spec, _hashable(rest), _hashable(sorted(kwargs.items())))
+    plan = _inplace_view_plans.get(key)
+    if plan is None:
+        plan = propagate(functional, args, kwargs, [self._spec], (_Slot(0),) + rest, dict(kwargs))
+        if len(_inplace_view_plans) > 1000:
+            _inplace_view_plans.clear()
+        _inplace_view_plans[key] = plan
+    if plan.input_targets[0] is not None:
+        name = op._overloadpacket.__name__
+        raise RuntimeError(
+            f"{_error_context(op, [self._spec])}: this in-place view needs the tensor redistributed to "
+            f"{placements_str(plan.input_targets[0])} first, which an in-place op cannot do. Use the "
+            f"out-of-place op (x = x.{name[:-1]}(...)) or redistribute x first."
+        )
+    op(self._local_tensor, *rest, **kwargs)  # the local shard, in place
+    with no_dispatch():  # the wrapper's own sizes/strides, as torch's return_and_correct_aliasing does
+        op(self, *rest, **kwargs)
+    out = plan.out_specs[0]
+    self._spec = DTensorSpec(out.mesh, out.placements, tuple(self.shape), tuple(self.stride()), out.dtype)
+    return self
