@@ -7,8 +7,12 @@ Runs only on a dispatch-cache miss.  Steps:
      input redistributions move, and order the choices by cost;
   4. take the cheapest choice that passes the local check: for every distinct combination of local
      shapes on the mesh, the op's meta kernel on the local input shapes must give exactly the local
-     output shapes the output placements claim.  A rule that would mislabel an uneven layout is
-     thereby never used: the next cheapest correct choice is (all-Replicate at worst).
+     output shapes the output placements claim, and where a rank's local input is EMPTY (an uneven
+     shard of fewer rows than ranks) the op that runs on the shards must also accept it in a real,
+     zero-element run (meta kernels accept empty inputs that real kernels reject: ``max()``).  A
+     rule that would mislabel an uneven layout, or run a local op that raises on one rank while
+     the others go on to a collective, is thereby never used: the next cheapest correct choice is
+     (all-Replicate at worst).
 """
 
 from __future__ import annotations
@@ -371,6 +375,9 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
 
     # 4. first choice that passes the local shape check
     shapes_fn = meta_fn if not shape_args else None
+    local_op = op
+    if entry is not None and entry.local is not None:
+        local_op = functools.partial(entry.local, op)
     considered = []
     for cost, _, _, ins, outs in priced:
         out_specs = tuple(
@@ -378,7 +385,8 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
             for k, o in enumerate(gflat)
         )
         in_specs = [s.with_placements(t) for s, t in zip(specs, ins)]
-        ok = _check_local(op, meta_args, meta_kwargs, in_specs, out_specs, mesh_shape, shape_args, shapes_fn)
+        ok = _check_local(op, meta_args, meta_kwargs, in_specs, out_specs, mesh_shape, shape_args, shapes_fn,
+                          local_op)
         considered.append((cost, (ins, outs), ok))  # formatted only when explain() shows it
         if ok:
             from dtshard.collectives import mesh_coordinate  # coordinate of this rank (cached)
@@ -389,9 +397,6 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
                 if idx < len(meta_args)
             )
             targets = tuple(None if t == s.placements else t for s, t in zip(specs, ins))
-            local_op = op
-            if entry is not None and entry.local is not None:
-                local_op = functools.partial(entry.local, op)
             return Plan(op, targets, out_specs, overrides, mode, cost, tuple(considered), fallback, local_op)
     raise RuntimeError(
         f"{_error_context(op, specs)}: no strategy passed the local shape check (not even "
@@ -480,8 +485,14 @@ def _verify_meta(op, meta_args, meta_kwargs, in_shapes, dtypes, overrides, got, 
                         f"{list(in_shapes)} {list(dtypes)}: {view(got)} vs {view(want)}")
 
 
-def _check_local(op, meta_args, meta_kwargs, in_specs, out_specs, mesh_shape, shape_args, shapes_fn=None) -> bool:
-    """Does the op, run on every distinct combination of local shapes, give the claimed shapes?"""
+def _check_local(op, meta_args, meta_kwargs, in_specs, out_specs, mesh_shape, shape_args, shapes_fn=None,
+                 local_op=None) -> bool:
+    """Does the op, run on every distinct combination of local shapes, give the claimed shapes?
+
+    Where some rank's local input has zero elements, the op that runs on the shards (``local_op``)
+    must also accept those shapes in a real run (:func:`_runs_on_empty`): a local op that raises
+    on one rank only would leave the other ranks waiting in (or mismatching) the next collective.
+    """
     if not config.check_plans:
         return True
     if all(all(not isinstance(p, Shard) for p in s.placements) for s in in_specs) and all(
@@ -513,4 +524,52 @@ def _check_local(op, meta_args, meta_kwargs, in_specs, out_specs, mesh_shape, sh
         for got, want in zip(lout, out_local):
             if got != want:
                 return False
+        if any(0 in shape for shape in in_local) and not _runs_on_empty(
+                op, local_op or op, meta_args, meta_kwargs, in_local, dtypes, overrides, in_specs[0].mesh):
+            return False
     return True
+
+
+def _runs_on_empty(op, local_op, meta_args, meta_kwargs, in_shapes, dtypes, overrides, mesh) -> bool:
+    """Does ``local_op`` accept local inputs of ``in_shapes`` (some of them with zero elements)?
+
+    Meta kernels do not check everything the real kernels check: ``max()``, ``max(dim)``,
+    ``median(dim)``, ``mode`` ... of an empty tensor have a meta result, while the CPU and CUDA
+    kernels raise.  So the real op is run once, on the mesh's device type: inputs with zero
+    elements cost nothing; non-empty read-only inputs are a single zero broadcast to their shape
+    (no memory); only arguments the op writes to are allocated (zeros).  Plain (0-d) tensors are
+    passed as the local call gets them.  Only aten ops are run this way (never a collective).
+    """
+    if getattr(op, "namespace", None) != "aten":
+        return True
+    device = torch.device(mesh.device_type)
+    written = _written_args(op)
+
+    def conv(a, name):
+        if isinstance(a, _Slot):
+            shape, dtype = tuple(in_shapes[a.k]), dtypes[a.k]
+            if 0 in shape or name in written:
+                return torch.zeros(shape, dtype=dtype, device=device)
+            return torch.zeros((), dtype=dtype, device=device).expand(shape)
+        if isinstance(a, (list, tuple)):
+            return type(a)(conv(b, name) for b in a)
+        return a
+
+    names = [a.name for a in op._schema.arguments if not a.kwarg_only]
+    largs = [conv(a, names[i] if i < len(names) else None) for i, a in enumerate(meta_args)]
+    for idx, shape in overrides:
+        largs[idx] = list(shape)
+    lkwargs = {k: conv(v, k) for k, v in meta_kwargs.items()}
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. std's "degrees of freedom <= 0" on an empty shard
+            local_op(*largs, **lkwargs)
+    except Exception:  # noqa: BLE001 - any error: this plan would fail on that rank
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _written_args(op) -> frozenset:
+    """Names of the arguments ``op`` writes to (self of an in-place op, out= tensors)."""
+    return frozenset(a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write)
