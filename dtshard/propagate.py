@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -36,6 +37,9 @@ __all__ = ["Plan", "propagate", "NoRuleError", "RuleError", "config"]
 
 _REPLICATE = Replicate()
 _MAX_CHOICES = 4096
+#: the real zero-element runs (_run_zero_elements) allocate inputs (and, on global shapes,
+#: outputs) of at most this many elements
+_SMALL_RUN = 1 << 16
 
 
 class config:
@@ -298,6 +302,14 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
         raise
     except Exception as e:  # the op rejects these global inputs: same error a plain tensor gives
         raise type(e)(f"{_error_context(op, specs)}: {e}") if _simple_exc(e) else e
+    if config.check_plans and any(0 in tuple(sh) for sh in shapes) and sum(
+            math.prod(o.shape) for o in gflat if o is not None) <= _SMALL_RUN:
+        # an empty global input: meta kernels accept some that the real kernel rejects (max() of an
+        # empty tensor); raise torch's error here, with the context, on every rank alike
+        try:
+            _run_zero_elements(op, op, meta_args, meta_kwargs, shapes, dtypes, (), mesh, global_shapes=True)
+        except Exception as e:
+            raise type(e)(f"{_error_context(op, specs)}: {e}") if _simple_exc(e) else e
     out_metas = [None if o is None else o.shape for o in gflat]
     n_out = len(gflat)
     in_metas = [tuple(s) for s in shapes]
@@ -535,38 +547,58 @@ def _runs_on_empty(op, local_op, meta_args, meta_kwargs, in_shapes, dtypes, over
 
     Meta kernels do not check everything the real kernels check: ``max()``, ``max(dim)``,
     ``median(dim)``, ``mode`` ... of an empty tensor have a meta result, while the CPU and CUDA
-    kernels raise.  So the real op is run once, on the mesh's device type: inputs with zero
-    elements cost nothing; non-empty read-only inputs are a single zero broadcast to their shape
-    (no memory); only arguments the op writes to are allocated (zeros).  Plain (0-d) tensors are
-    passed as the local call gets them.  Only aten ops are run this way (never a collective).
-    """
+    kernels raise.  So the real op is run once (:func:`_run_zero_elements`)."""
+    try:
+        _run_zero_elements(op, local_op, meta_args, meta_kwargs, in_shapes, dtypes, overrides, mesh)
+    except Exception:  # noqa: BLE001 - any error: this plan would fail on that rank
+        return False
+    return True
+
+
+def _run_zero_elements(op, run, meta_args, meta_kwargs, in_shapes, dtypes, overrides, mesh,
+                       global_shapes: bool = False) -> None:
+    """Run ``run`` (``op``, or the rule's local function for it) for real, on the mesh's device
+    type, on zero-filled inputs of ``in_shapes`` of which some have zero elements; raises what it
+    raises.
+
+    Zero-element inputs cost nothing, and small inputs little.  A large non-empty input is, for
+    local shapes, a single zero broadcast to its shape (no memory; a kernel that insists on
+    contiguous inputs then rejects the plan, which only costs a cheaper plan), while for
+    ``global_shapes`` (which may not fit on one device) the run is skipped, as it is for a
+    large output.  Plain (0-d) tensors are passed as the local call gets them.  Only aten ops are
+    run this way (never a collective)."""
     if getattr(op, "namespace", None) != "aten":
-        return True
+        return
     device = torch.device(mesh.device_type)
     written = _written_args(op)
 
     def conv(a, name):
         if isinstance(a, _Slot):
             shape, dtype = tuple(in_shapes[a.k]), dtypes[a.k]
-            if 0 in shape or name in written:
+            if math.prod(shape) <= _SMALL_RUN:
                 return torch.zeros(shape, dtype=dtype, device=device)
+            if global_shapes or name in written:  # a large tensor the run would have to allocate
+                raise _SkipRun
             return torch.zeros((), dtype=dtype, device=device).expand(shape)
         if isinstance(a, (list, tuple)):
             return type(a)(conv(b, name) for b in a)
         return a
 
     names = [a.name for a in op._schema.arguments if not a.kwarg_only]
-    largs = [conv(a, names[i] if i < len(names) else None) for i, a in enumerate(meta_args)]
+    try:
+        largs = [conv(a, names[i] if i < len(names) else None) for i, a in enumerate(meta_args)]
+        lkwargs = {k: conv(v, k) for k, v in meta_kwargs.items()}
+    except _SkipRun:
+        return
     for idx, shape in overrides:
         largs[idx] = list(shape)
-    lkwargs = {k: conv(v, k) for k, v in meta_kwargs.items()}
-    try:
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # e.g. std's "degrees of freedom <= 0" on an empty shard
-            local_op(*largs, **lkwargs)
-    except Exception:  # noqa: BLE001 - any error: this plan would fail on that rank
-        return False
-    return True
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # e.g. std's "degrees of freedom <= 0" on an empty shard
+        run(*largs, **lkwargs)
+
+
+class _SkipRun(Exception):
+    """A tensor too large for a check run."""
 
 
 @functools.lru_cache(maxsize=None)

@@ -299,7 +299,8 @@ def diagonal_backward_rule(call: OpCall):
 # decomposition calls unsqueeze_).  The handler plans the functional view on self's spec (pure
 # metadata: the same plan on every rank), requires that it moves no data (an in-place view
 # cannot), then updates all three in step: the local shard (in place, so its views stay
-# aliased), self's spec, and the wrapper's own sizes and strides.
+# aliased), self's spec, and the wrapper's own sizes and strides.  Unlike other handlers it must
+# touch ``_local_tensor`` and ``_spec`` itself: the op changes metadata only, and no byte moves.
 
 from dtshard.registry import _on_change, register_handler  # noqa: E402
 
