@@ -7,8 +7,12 @@ Runs only on a dispatch-cache miss.  Steps:
      input redistributions move, and order the choices by cost;
   4. take the cheapest choice that passes the local check: for every distinct combination of local
      shapes on the mesh, the op's meta kernel on the local input shapes must give exactly the local
-     output shapes the output placements claim.  A rule that would mislabel an uneven layout is
-     thereby never used: the next cheapest correct choice is (all-Replicate at worst).
+     output shapes the output placements claim, and where a rank's local input is EMPTY (an uneven
+     shard of fewer rows than ranks) the op that runs on the shards must also accept it in a real,
+     zero-element run (meta kernels accept empty inputs that real kernels reject: ``max()``).  A
+     rule that would mislabel an uneven layout, or run a local op that raises on one rank while
+     the others go on to a collective, is thereby never used: the next cheapest correct choice is
+     (all-Replicate at worst).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -32,6 +37,9 @@ __all__ = ["Plan", "propagate", "NoRuleError", "RuleError", "config"]
 
 _REPLICATE = Replicate()
 _MAX_CHOICES = 4096
+#: the real zero-element runs (_run_zero_elements) allocate inputs (and, on global shapes,
+#: outputs) of at most this many elements
+_SMALL_RUN = 1 << 16
 
 
 class config:
@@ -306,6 +314,14 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
         raise
     except Exception as e:  # the op rejects these global inputs: same error a plain tensor gives
         raise type(e)(f"{_error_context(op, specs)}: {e}") if _simple_exc(e) else e
+    if config.check_plans and any(0 in tuple(sh) for sh in shapes) and sum(
+            math.prod(o.shape) for o in gflat if o is not None) <= _SMALL_RUN:
+        # an empty global input: meta kernels accept some that the real kernel rejects (max() of an
+        # empty tensor); raise torch's error here, with the context, on every rank alike
+        try:
+            _run_zero_elements(op, op, meta_args, meta_kwargs, shapes, dtypes, (), mesh, global_shapes=True)
+        except Exception as e:
+            raise type(e)(f"{_error_context(op, specs)}: {e}") if _simple_exc(e) else e
     out_metas = [None if o is None else o.shape for o in gflat]
     n_out = len(gflat)
     in_metas = [tuple(s) for s in shapes]
@@ -387,6 +403,9 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
 
     # 4. first choice that passes the local shape check
     shapes_fn = meta_fn if not shape_args else None
+    local_op = op
+    if entry is not None and entry.local is not None:
+        local_op = functools.partial(entry.local, op)
     considered = []
     for cost, _, _, ins, outs in priced:
         out_specs = tuple(
@@ -394,7 +413,8 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
             for k, o in enumerate(gflat)
         )
         in_specs = [s.with_placements(t) for s, t in zip(specs, ins)]
-        ok = _check_local(op, meta_args, meta_kwargs, in_specs, out_specs, mesh_shape, shape_args, shapes_fn)
+        ok = _check_local(op, meta_args, meta_kwargs, in_specs, out_specs, mesh_shape, shape_args, shapes_fn,
+                          local_op)
         considered.append((cost, (ins, outs), ok))  # formatted only when explain() shows it
         if ok:
             from dtshard.collectives import mesh_coordinate  # coordinate of this rank (cached)
@@ -405,9 +425,6 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
                 if idx < len(meta_args)
             )
             targets = tuple(None if t == s.placements else t for s, t in zip(specs, ins))
-            local_op = op
-            if entry is not None and entry.local is not None:
-                local_op = functools.partial(entry.local, op)
             return Plan(op, targets, out_specs, overrides, mode, cost, tuple(considered), fallback, local_op)
     raise RuntimeError(
         f"{_error_context(op, specs)}: no strategy passed the local shape check (not even "
@@ -496,8 +513,14 @@ def _verify_meta(op, meta_args, meta_kwargs, in_shapes, dtypes, overrides, got, 
                         f"{list(in_shapes)} {list(dtypes)}: {view(got)} vs {view(want)}")
 
 
-def _check_local(op, meta_args, meta_kwargs, in_specs, out_specs, mesh_shape, shape_args, shapes_fn=None) -> bool:
-    """Does the op, run on every distinct combination of local shapes, give the claimed shapes?"""
+def _check_local(op, meta_args, meta_kwargs, in_specs, out_specs, mesh_shape, shape_args, shapes_fn=None,
+                 local_op=None) -> bool:
+    """Does the op, run on every distinct combination of local shapes, give the claimed shapes?
+
+    Where some rank's local input has zero elements, the op that runs on the shards (``local_op``)
+    must also accept those shapes in a real run (:func:`_runs_on_empty`): a local op that raises
+    on one rank only would leave the other ranks waiting in (or mismatching) the next collective.
+    """
     if not config.check_plans:
         return True
     if all(all(not isinstance(p, Shard) for p in s.placements) for s in in_specs) and all(
@@ -529,4 +552,72 @@ def _check_local(op, meta_args, meta_kwargs, in_specs, out_specs, mesh_shape, sh
         for got, want in zip(lout, out_local):
             if got != want:
                 return False
+        if any(0 in shape for shape in in_local) and not _runs_on_empty(
+                op, local_op or op, meta_args, meta_kwargs, in_local, dtypes, overrides, in_specs[0].mesh):
+            return False
     return True
+
+
+def _runs_on_empty(op, local_op, meta_args, meta_kwargs, in_shapes, dtypes, overrides, mesh) -> bool:
+    """Does ``local_op`` accept local inputs of ``in_shapes`` (some of them with zero elements)?
+
+    Meta kernels do not check everything the real kernels check: ``max()``, ``max(dim)``,
+    ``median(dim)``, ``mode`` ... of an empty tensor have a meta result, while the CPU and CUDA
+    kernels raise.  So the real op is run once (:func:`_run_zero_elements`)."""
+    try:
+        _run_zero_elements(op, local_op, meta_args, meta_kwargs, in_shapes, dtypes, overrides, mesh)
+    except Exception:  # noqa: BLE001 - any error: this plan would fail on that rank
+        return False
+    return True
+
+
+def _run_zero_elements(op, run, meta_args, meta_kwargs, in_shapes, dtypes, overrides, mesh,
+                       global_shapes: bool = False) -> None:
+    """Run ``run`` (``op``, or the rule's local function for it) for real, on the mesh's device
+    type, on zero-filled inputs of ``in_shapes`` of which some have zero elements; raises what it
+    raises.
+
+    Zero-element inputs cost nothing, and small inputs little.  A large non-empty input is, for
+    local shapes, a single zero broadcast to its shape (no memory; a kernel that insists on
+    contiguous inputs then rejects the plan, which only costs a cheaper plan), while for
+    ``global_shapes`` (which may not fit on one device) the run is skipped, as it is for a
+    large output.  Plain (0-d) tensors are passed as the local call gets them.  Only aten ops are
+    run this way (never a collective)."""
+    if getattr(op, "namespace", None) != "aten":
+        return
+    device = torch.device(mesh.device_type)
+    written = _written_args(op)
+
+    def conv(a, name):
+        if isinstance(a, _Slot):
+            shape, dtype = tuple(in_shapes[a.k]), dtypes[a.k]
+            if math.prod(shape) <= _SMALL_RUN:
+                return torch.zeros(shape, dtype=dtype, device=device)
+            if global_shapes or name in written:  # a large tensor the run would have to allocate
+                raise _SkipRun
+            return torch.zeros((), dtype=dtype, device=device).expand(shape)
+        if isinstance(a, (list, tuple)):
+            return type(a)(conv(b, name) for b in a)
+        return a
+
+    names = [a.name for a in op._schema.arguments if not a.kwarg_only]
+    try:
+        largs = [conv(a, names[i] if i < len(names) else None) for i, a in enumerate(meta_args)]
+        lkwargs = {k: conv(v, k) for k, v in meta_kwargs.items()}
+    except _SkipRun:
+        return
+    for idx, shape in overrides:
+        largs[idx] = list(shape)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # e.g. std's "degrees of freedom <= 0" on an empty shard
+        run(*largs, **lkwargs)
+
+
+class _SkipRun(Exception):
+    """A tensor too large for a check run."""
+
+
+@functools.lru_cache(maxsize=None)
+def _written_args(op) -> frozenset:
+    """Names of the arguments ``op`` writes to (self of an in-place op, out= tensors)."""
+    return frozenset(a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write)

@@ -208,6 +208,7 @@ class DTensor(torch.Tensor):
         gathers every rank's local shape and raises the same error on every rank when they do not
         fit ``shape``/``placements`` (costs one collective).
         """
+        _reject_distributed_input(local_tensor, "DTensor.from_local")
         if device_mesh is None:
             raise ValueError("DTensor.from_local: pass device_mesh (dtshard has no implicit global mesh)")
         if placements is None:
@@ -339,6 +340,27 @@ class DTensor(torch.Tensor):
 
         return TorchDTensor.from_local(
             self.to_local(), self._spec.mesh, self._spec.placements, shape=self.shape, stride=self.stride()
+        )
+
+
+def _reject_distributed_input(t, what: str) -> None:
+    """``from_local`` and ``distribute_tensor`` take a plain tensor.  Given a DTensor, wrapping it
+    would build a DTensor nested in a DTensor (its "local" shape is a global shape, so the global
+    shape comes out multiplied by the mesh size, silently).  Raise, on every rank alike (the
+    check uses only the argument's type and metadata), and say what to call instead."""
+    if isinstance(t, DTensor):
+        raise ValueError(
+            f"{what}: the tensor is already a DTensor (dtshard, global shape {tuple(t.shape)}, placements "
+            f"{placements_str(t.placements)} on mesh {tuple(t.device_mesh.shape)}). To change its "
+            f"placements use dt.redistribute(mesh, placements); to wrap its shard, pass dt.to_local()."
+        )
+    torch_dt = sys.modules.get("torch.distributed.tensor")
+    if torch_dt is not None and isinstance(t, torch_dt.DTensor):
+        raise ValueError(
+            f"{what}: the tensor is a torch.distributed.tensor.DTensor (global shape {tuple(t.shape)}, "
+            f"placements {placements_str(t.placements)}). Convert it without moving data with "
+            f"dtshard.DTensor.from_torch(dt) (then .redistribute(...) to change placements), or pass "
+            f"dt.to_local() to wrap its shard."
         )
 
 
@@ -555,8 +577,7 @@ def distribute_tensor(
     """
     if device_mesh is None:
         raise ValueError("distribute_tensor: pass device_mesh")
-    if isinstance(tensor, DTensor):
-        raise ValueError("distribute_tensor: the tensor is already a DTensor; use .redistribute()")
+    _reject_distributed_input(tensor, "distribute_tensor")
     placements = list(placements) if placements is not None else [Replicate()] * device_mesh.ndim
     placements = normalize_placements(placements, tensor.dim(), device_mesh.ndim, what="distribute_tensor")
     requires_grad = tensor.requires_grad

@@ -123,6 +123,25 @@ def _distribute_a_dtensor():
     dtshard.distribute_tensor(_dt(), _mesh(), [Replicate()])
 
 
+def _from_local_of_a_dtensor():
+    # silently built a DTensor nested in a DTensor, of global shape (8, 3)
+    dtshard.DTensor.from_local(_dt(), _mesh(), [Shard(0)])
+
+
+def _torch_dtensor():
+    import torch.distributed.tensor as tdt
+
+    return tdt.distribute_tensor(torch.ones(4, 3), _mesh(), [Shard(0)])
+
+
+def _from_local_of_a_torch_dtensor():
+    dtshard.DTensor.from_local(_torch_dtensor(), _mesh(), [Shard(0)])
+
+
+def _distribute_a_torch_dtensor():
+    dtshard.distribute_tensor(_torch_dtensor(), _mesh(), [Replicate()])
+
+
 def _src_rank_not_in_mesh():
     dtshard.distribute_tensor(torch.ones(4), _mesh(), [Shard(0)], src_data_rank=17)
 
@@ -150,6 +169,12 @@ CASES = {
     "in-place would change placement": (_inplace_changes_placement, RuntimeError, ["aten.exp_.default", "in-place"]),
     "incompatible global shapes": (_incompatible_global_shapes, RuntimeError, ["aten.add.Tensor", "(4, 3)", "(5, 3)"]),
     "distribute a DTensor": (_distribute_a_dtensor, ValueError, ["already a DTensor", "redistribute"]),
+    "from_local of a DTensor": (_from_local_of_a_dtensor, ValueError,
+                                ["DTensor.from_local", "already a DTensor", "(4, 3)", "S(0)", "to_local()", "redistribute"]),
+    "from_local of a torch DTensor": (_from_local_of_a_torch_dtensor, ValueError,
+                                      ["torch.distributed.tensor.DTensor", "DTensor.from_torch", "to_local()"]),
+    "distribute a torch DTensor": (_distribute_a_torch_dtensor, ValueError,
+                                   ["distribute_tensor", "torch.distributed.tensor.DTensor", "(4, 3)", "DTensor.from_torch"]),
     "src_data_rank not in mesh": (_src_rank_not_in_mesh, ValueError, ["src_data_rank=17"]),
     "unsupported Partial op": (_unsupported_partial_in_from_local, ValueError, ["bxor", "Partial('sum')"]),
 }
