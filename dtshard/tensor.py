@@ -516,12 +516,6 @@ class _OnDynamoImport:
         return spec
 
 
-if "torch._dynamo" in sys.modules:
-    _register_with_dynamo()
-else:
-    sys.meta_path.insert(0, _OnDynamoImport())
-
-
 class _ToLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, dt: DTensor, grad_placements):
@@ -654,3 +648,11 @@ def distribute_module(
     if output_fn is not None:
         module.register_forward_hook(lambda mod, inputs, outputs: output_fn(mod, outputs, device_mesh))
     return module
+
+
+# At the END of the module: _runtime_entry_points names classes defined above (_ToLocal,
+# _Redistribute), so registering earlier fails when torch._dynamo was imported before dtshard.
+if "torch._dynamo" in sys.modules:
+    _register_with_dynamo()
+else:
+    sys.meta_path.insert(0, _OnDynamoImport())

@@ -276,3 +276,18 @@ def _resampling_ops():
 def test_interpolation_and_padding_compile_on_spatial_shards():
     for bad in run_distributed(_resampling_ops, 2, timeout=600):
         assert bad == {}, bad
+
+
+def test_import_after_torch_dynamo():
+    """``import torch._dynamo`` BEFORE ``import dtshard`` (what any script that sets up compilation
+    first does): dtshard imports and registers its Dynamo hooks (here: the prims.fma rule)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = ("import torch, torch._dynamo, dtshard, dtshard.registry; "
+            "assert dtshard.__file__.startswith(%r), dtshard.__file__; "
+            "assert dtshard.registry.get_entry(torch.ops.prims.fma.default) is not None; print('ok')" % root)
+    p = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-3000:]

@@ -8,11 +8,25 @@ AOT dispatch), autograd against the reference, graph capture with ``make_fx`` an
 
 ``TRITON_INTERPRET=1`` must be set before triton and ``dtshard_kernels.triton`` are imported,
 hence at the top of this module (pytest imports it at collection, before any test runs).
+
+On a GPU machine the SAME tests run the kernels compiled for the GPU, on CUDA tensors, with
+``DTSHARD_KERNEL_TEST_DEVICE=cuda`` (``benchmarks/gpu_check.sh`` does this; run only this module
+then, since the interpreter is chosen per process)::
+
+    DTSHARD_KERNEL_TEST_DEVICE=cuda TRITON_INTERPRET=0 python -m pytest tests/kernels/test_triton_interpret.py
+
+Every tensor a test makes is then created on the GPU (random values are drawn on CPU, so they are
+the same numbers as in the CPU run, and moved); nothing else changes.
 """
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"
+# "cpu" (default): Triton's interpreter on CPU tensors; "cuda": the compiled kernels on the GPU
+DEVICE = os.environ.get("DTSHARD_KERNEL_TEST_DEVICE", "cpu").strip().lower()
+if DEVICE not in ("cpu", "cuda"):
+    raise RuntimeError(f"DTSHARD_KERNEL_TEST_DEVICE must be 'cpu' or 'cuda', got {DEVICE!r}")
+# tests/conftest.py defaults TRITON_INTERPRET to 1; the CUDA run must override it before triton loads
+os.environ["TRITON_INTERPRET"] = "1" if DEVICE == "cpu" else "0"
 
 import logging  # noqa: E402
 import random  # noqa: E402
@@ -30,11 +44,18 @@ from dtshard_kernels import reference as R  # noqa: E402
 from dtshard_kernels.triton import copy_kernels as CK  # noqa: E402
 from dtshard_kernels.triton import ops as KO  # noqa: E402
 
-if not KT.INTERPRETED:  # pragma: no cover - tests/conftest.py sets TRITON_INTERPRET=1 first
+if DEVICE == "cpu" and not KT.INTERPRETED:  # pragma: no cover - tests/conftest.py sets TRITON_INTERPRET=1 first
     raise RuntimeError(
         "dtshard_kernels.triton was imported before TRITON_INTERPRET=1 was set, so its kernels "
         "cannot run on CPU in this process (tests/conftest.py sets it; something imported triton "
         "earlier): run `TRITON_INTERPRET=1 pytest tests/kernels`")
+if DEVICE == "cuda":  # pragma: no cover - GPU machines only
+    # asked for explicitly: a missing GPU or an interpreted build is an error, never a skip
+    if not torch.cuda.is_available():
+        raise RuntimeError("DTSHARD_KERNEL_TEST_DEVICE=cuda but torch.cuda.is_available() is False")
+    if KT.INTERPRETED:
+        raise RuntimeError("DTSHARD_KERNEL_TEST_DEVICE=cuda but dtshard_kernels.triton was built for the "
+                           "interpreter (TRITON_INTERPRET=1 when triton was imported): run only this module")
 
 # Without a GPU driver, torch's mutation analysis of triton kernels (which compiles them to TTIR)
 # fails and logs a long warning before falling back to "every tensor argument is mutated" (so on
@@ -54,12 +75,32 @@ T = "triton"
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.fixture(autouse=True)
+def _on_device():
+    """With DEVICE "cuda", the tensors every test makes (torch.zeros, torch.tensor, ...) are made on
+    the GPU; on CPU this does nothing."""
+    if DEVICE == "cpu":
+        yield
+        return
+    with torch.device(DEVICE):
+        yield
+
+
 def _values(shape, dtype, gen):
+    """Random values drawn on CPU (``gen`` is a CPU generator), then moved to DEVICE (a no-op on CPU),
+    so a CUDA run checks the same numbers."""
     if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=gen).bool()
-    if dtype == torch.int64:
-        return torch.randint(-(2**40), 2**40, shape, generator=gen)
-    return torch.randn(shape, generator=gen).to(dtype)
+        t = torch.randint(0, 2, shape, generator=gen, device="cpu").bool()
+    elif dtype == torch.int64:
+        t = torch.randint(-(2**40), 2**40, shape, generator=gen, device="cpu")
+    else:
+        t = torch.randn(shape, generator=gen, device="cpu").to(dtype)
+    return t.to(DEVICE)
+
+
+def randn(shape, seed):
+    """``torch.randn(shape)`` from a seeded CPU generator, on DEVICE."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), device="cpu").to(DEVICE)
 
 
 def make(shape, dtype=torch.float32, layout="contiguous", seed=0):
@@ -67,6 +108,7 @@ def make(shape, dtype=torch.float32, layout="contiguous", seed=0):
     shape = tuple(shape)
     if layout == "contiguous" or len(shape) == 0:
         return _values(shape, dtype, gen)
+    # the views are taken on DEVICE (moving a non-dense view would make it contiguous)
     if layout == "transposed":
         return _values(shape[::-1], dtype, gen).permute(*reversed(range(len(shape))))
     if layout == "stepped":
@@ -139,7 +181,8 @@ def test_ops_registered():
 def test_resolve_backend():
     x = torch.zeros(3)
     assert K.resolve_backend(x, "triton") == "triton"
-    assert K.resolve_backend(x, "auto") == "reference"  # auto never picks the interpreter
+    # auto never picks the interpreter; on CUDA tensors it picks the compiled kernels
+    assert K.resolve_backend(x, "auto") == ("reference" if DEVICE == "cpu" else "triton")
 
 
 # --------------------------------------------------------------------------------------------
@@ -307,9 +350,9 @@ def test_autograd_matches_reference(name):
     fn = _GRAD_FNS[name]
     results = []
     for backend in ("reference", T):
-        x = torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(0)).transpose(0, 2).requires_grad_()
+        x = randn((3, 5, 4), seed=0).transpose(0, 2).requires_grad_()
         y = fn(x, backend)
-        w = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
+        w = randn(y.shape, seed=1)
         (y * w).sum().backward()
         results.append((y.detach(), x.grad))
     assert torch.equal(results[0][0], results[1][0])
