@@ -114,7 +114,18 @@ def flat_group(mesh: DeviceMesh, dims: tuple[int, ...]):
     pg = _flat_groups.get(key)
     if pg is None:
         coord = mesh_coordinate(mesh)
-        ranks = [int(mesh.mesh[c].item()) for c in group_coords(tuple(mesh.shape), dims, coord)]
+        # the mesh's rank table is a real tensor: read it outside any fake mode (the group is
+        # created on first use, which may be while torch.compile traces)
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():
+            table = mesh.mesh.tolist()
+        ranks = []
+        for c in group_coords(tuple(mesh.shape), dims, coord):
+            r = table
+            for v in c:
+                r = r[v]
+            ranks.append(int(r))
         kwargs = {}
         try:
             default = dist.distributed_c10d._get_default_group()
