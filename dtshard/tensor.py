@@ -33,6 +33,20 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+def mesh_or_current(device_mesh: Optional[DeviceMesh], what: str) -> DeviceMesh:
+    """``device_mesh``, or else the mesh of the innermost ``with mesh:`` block (PyTorch's current
+    mesh, the stack ``DeviceMesh.__enter__`` pushes to), as ``torch.distributed.tensor`` does."""
+    if device_mesh is not None:
+        return device_mesh
+    from torch.distributed.device_mesh import _mesh_resources
+
+    stack = getattr(_mesh_resources, "mesh_stack", None)
+    if stack:
+        return stack[-1]
+    raise ValueError(f"{what}: pass device_mesh, or call it inside a `with mesh:` block "
+                     "(no DeviceMesh is active).")
+
+
 def _install_grad_hooks(leaf: "DTensor") -> None:
     """Hooks every leaf DTensor that requires grad gets, once:
 
@@ -208,8 +222,7 @@ class DTensor(torch.Tensor):
         gathers every rank's local shape and raises the same error on every rank when they do not
         fit ``shape``/``placements`` (costs one collective).
         """
-        if device_mesh is None:
-            raise ValueError("DTensor.from_local: pass device_mesh (dtshard has no implicit global mesh)")
+        device_mesh = mesh_or_current(device_mesh, "DTensor.from_local")
         if placements is None:
             placements = [Replicate()] * device_mesh.ndim
         placements = normalize_placements(placements, local_tensor.dim(), device_mesh.ndim, what="DTensor.from_local")
@@ -537,8 +550,7 @@ def distribute_tensor(
     ``src_data_rank=None`` every rank is trusted to hold the same tensor and only slices locally
     (no communication).  The result is a leaf when ``tensor`` is (requires_grad kept).
     """
-    if device_mesh is None:
-        raise ValueError("distribute_tensor: pass device_mesh")
+    device_mesh = mesh_or_current(device_mesh, "distribute_tensor")
     if isinstance(tensor, DTensor):
         raise ValueError("distribute_tensor: the tensor is already a DTensor; use .redistribute()")
     placements = list(placements) if placements is not None else [Replicate()] * device_mesh.ndim
@@ -594,8 +606,7 @@ def distribute_module(
     plain tensors is replicated.  ``input_fn(module, inputs, mesh)`` and
     ``output_fn(module, outputs, mesh)`` become forward pre-/post-hooks.
     """
-    if device_mesh is None:
-        raise ValueError("distribute_module: pass device_mesh")
+    device_mesh = mesh_or_current(device_mesh, "distribute_module")
     rep = [Replicate()] * device_mesh.ndim
 
     def replicate_rest(m: torch.nn.Module) -> None:
