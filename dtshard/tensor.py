@@ -604,7 +604,9 @@ def distribute_module(
 
     ``partition_fn(name, submodule, mesh)`` may distribute parameters itself; whatever it leaves as
     plain tensors is replicated.  ``input_fn(module, inputs, mesh)`` and
-    ``output_fn(module, outputs, mesh)`` become forward pre-/post-hooks.
+    ``output_fn(module, outputs, mesh)`` become forward pre-/post-hooks (the deprecated two-argument
+    forms ``input_fn(inputs, mesh)`` / ``output_fn(outputs, mesh)`` work too, with a FutureWarning,
+    as in PyTorch).
     """
     device_mesh = mesh_or_current(device_mesh, "distribute_module")
     rep = [Replicate()] * device_mesh.ndim
@@ -624,7 +626,35 @@ def distribute_module(
             partition_fn(name, sub, device_mesh)
         replicate_rest(sub)
     if input_fn is not None:
-        module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, device_mesh))
+        if _hook_arity(input_fn, "input_fn") == 2:
+            module.register_forward_pre_hook(lambda mod, inputs: input_fn(inputs, device_mesh))
+        else:
+            module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, device_mesh))
     if output_fn is not None:
-        module.register_forward_hook(lambda mod, inputs, outputs: output_fn(mod, outputs, device_mesh))
+        if _hook_arity(output_fn, "output_fn") == 2:
+            module.register_forward_hook(lambda mod, inputs, outputs: output_fn(outputs, device_mesh))
+        else:
+            module.register_forward_hook(lambda mod, inputs, outputs: output_fn(mod, outputs, device_mesh))
     return module
+
+
+def _hook_arity(fn: Callable, what: str) -> int:
+    """2 or 3: how many arguments ``distribute_module``'s ``input_fn``/``output_fn`` takes.
+
+    As in PyTorch (which reads the signature the same way): the old form ``fn(inputs, mesh)`` /
+    ``fn(outputs, mesh)`` still works, with a FutureWarning; the current one is
+    ``fn(module, inputs, mesh)``; any other count raises."""
+    import inspect
+    import warnings
+
+    n = len(inspect.signature(fn).parameters)
+    if n == 2:
+        kind = "inputs" if what == "input_fn" else "outputs"
+        warnings.warn(
+            f"Deprecating {what} that takes two arguments ({kind}, device_mesh), "
+            f"please use {what} that takes in (module, {kind}, device_mesh) instead!",
+            FutureWarning, stacklevel=3)
+    elif n != 3:
+        raise ValueError(f"distribute_module: {what} should take in 3 arguments (module, "
+                         f"{'inputs' if what == 'input_fn' else 'outputs'}, device_mesh), but got {n} arguments!")
+    return n

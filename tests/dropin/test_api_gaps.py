@@ -145,7 +145,76 @@ def _mesh_context_checks():
     return got["dtshard", "error"]
 
 
+# ----------------------------------------------------------------------------------------------
+# Item 12: distribute_module's deprecated two-argument input_fn / output_fn
+# ----------------------------------------------------------------------------------------------
+
+
+def _distribute_module_checks():
+    import warnings
+
+    mesh = _mesh_2x2()["tp"]
+    x = torch.arange(12.0).reshape(3, 4)
+    got = {}
+    for name, lib in LIBS.items():
+        def input_fn(inputs, device_mesh):  # the old form: no module argument
+            assert device_mesh is mesh
+            return tuple(lib.DTensor.from_local(t, device_mesh, [Replicate()]) for t in inputs)
+
+        def output_fn(outputs, device_mesh):
+            assert device_mesh is mesh
+            return outputs.redistribute(device_mesh, [Replicate()]).to_local() * 2
+
+        def partition_fn(sub_name, sub, device_mesh):
+            if isinstance(sub, nn.Linear):
+                sub.register_parameter("weight", nn.Parameter(lib.distribute_tensor(sub.weight, device_mesh, [Shard(0)])))
+
+        torch.manual_seed(0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            module = lib.distribute_module(nn.Linear(4, 6), mesh, partition_fn, input_fn=input_fn, output_fn=output_fn)
+        got[name, "warnings"] = sorted(str(w.message) for w in caught if issubclass(w.category, FutureWarning))
+        y = module(x)
+        y.sum().backward()
+        got[name, "out"] = (type(y), y, module.weight.grad.full_tensor())
+
+        # the current three-argument form: no warning; other argument counts raise
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            lib.distribute_module(nn.Linear(4, 6), mesh, input_fn=lambda m, inputs, device_mesh: None,
+                                  output_fn=lambda m, outputs, device_mesh: None)
+        got[name, "new_form_warnings"] = [w for w in caught if issubclass(w.category, FutureWarning)]
+        try:
+            lib.distribute_module(nn.Linear(4, 6), mesh, input_fn=lambda inputs: None)
+            got[name, "bad"] = None
+        except ValueError as e:
+            got[name, "bad"] = str(e)
+    for name in LIBS:
+        assert len(got[name, "warnings"]) == 2 and all("Deprecating" in w for w in got[name, "warnings"]), got
+        assert got[name, "new_form_warnings"] == [], got
+        assert got[name, "bad"] is not None and "3 arguments" in got[name, "bad"], got
+    (t_ours, y_ours, g_ours), (t_theirs, y_theirs, g_theirs) = got["dtshard", "out"], got["torch", "out"]
+    assert t_ours is torch.Tensor and t_theirs is torch.Tensor
+    torch.testing.assert_close(y_ours, y_theirs)
+    torch.testing.assert_close(g_ours, g_theirs)
+    torch.manual_seed(0)
+    ref = nn.Linear(4, 6)
+    torch.testing.assert_close(y_ours, ref(x) * 2)
+    return True
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def _batch(names):
+    """Run the named checks one after the other on every rank (one ``run_distributed`` call)."""
+    return {name: globals()[name]() for name in names}
+
+
 def test_factories_and_mesh_context_match_torch():
     assert run_distributed(_factory_checks, 4) == [True] * 4
-    for msg in run_distributed(_mesh_context_checks, 4):
+    results = run_distributed(_batch, 4, ["_mesh_context_checks", "_distribute_module_checks"])
+    for res in results:
+        msg = res["_mesh_context_checks"]
         assert msg is not None and "distribute_tensor" in msg and "with mesh" in msg, msg
+        assert res["_distribute_module_checks"] is True
