@@ -160,6 +160,11 @@ class DTensorSpec:
             and self.dtype == other.dtype
         )
 
+    def __getstate__(self) -> dict:
+        # pickling (torch.save, deepcopy): the fields only.  The cached hash covers the mesh's
+        # identity (its process group names), which a load in another process may not share.
+        return {k: v for k, v in self.__dict__.items() if k not in ("_hash", "_mesh_shape")}
+
     # ---- derived metadata -------------------------------------------------------------------
     @property
     def ndim(self) -> int:

@@ -20,7 +20,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from dtshard import collectives as C
 from dtshard.dispatch import bind_tensor_class, dispatch
 from dtshard.redistribute import redistribute_local
-from dtshard.spec import DTensorSpec, mesh_identity, normalize_placements, placements_str
+from dtshard.spec import DTensorSpec, TensorMeta, mesh_identity, normalize_placements, placements_str
 
 __all__ = ["DTensor", "distribute_tensor", "distribute_module"]
 
@@ -60,7 +60,9 @@ def _install_grad_hooks(leaf: "DTensor") -> None:
     """
     if getattr(leaf, "_dtshard_settles_grads", False) or torch.compiler.is_compiling():
         return
-    leaf.register_hook(functools.partial(_grad_as_dtensor, leaf._spec))
+    hook = functools.partial(_grad_as_dtensor, leaf._spec)
+    hook.__torch_unserializable__ = True  # torch.save: __setstate__ installs fresh hooks (no warning)
+    leaf.register_hook(hook)
     leaf.register_post_accumulate_grad_hook(_settle_grad)
     leaf._dtshard_settles_grads = True
 
@@ -154,6 +156,18 @@ class DTensor(torch.Tensor):
         if requires_grad and self.is_leaf:
             _install_grad_hooks(self)
         return self
+
+    def __setstate__(self, state) -> None:
+        """Unpickling (``torch.load``, ``pickle``): the saved ``__dict__`` comes back, but tensor hooks
+        are not serialized, so a loaded leaf that requires grad installs its own (the saved flag
+        that says "installed" is dropped)."""
+        def drop_flag(d):
+            return {k: v for k, v in d.items() if k != "_dtshard_settles_grads"} if d else d
+
+        state = (drop_flag(state[0]), state[1]) if isinstance(state, tuple) else drop_flag(state)
+        torch._utils._set_obj_state(self, state)
+        if self.requires_grad and self.is_leaf:
+            _install_grad_hooks(self)
 
     def __repr__(self) -> str:  # never gathers
         return (
@@ -383,6 +397,11 @@ def _check_from_local(local: torch.Tensor, spec: DTensorSpec) -> None:
 
 
 bind_tensor_class(DTensor)
+
+# ``torch.load``'s default ``weights_only=True`` unpickles only allowlisted classes: dtshard's DTensor
+# and its spec join the ones ``torch.distributed.tensor`` registers for its own DTensor (DeviceMesh,
+# its layout, the placements), so a saved DTensor loads without ``weights_only=False``.
+torch.serialization.add_safe_globals([DTensor, DTensorSpec, TensorMeta, DeviceMesh, Shard, Replicate, Partial])
 
 
 class _FromLocal(torch.autograd.Function):

@@ -204,6 +204,88 @@ def _distribute_module_checks():
 
 
 # ----------------------------------------------------------------------------------------------
+# Item 7: serialization (torch.save / torch.load with weights_only=True, pickle, deepcopy)
+# ----------------------------------------------------------------------------------------------
+
+
+def _roundtrip(t, how: str):
+    import copy
+    import io
+    import pickle
+
+    if how == "save":
+        buf = io.BytesIO()
+        torch.save(t, buf)
+        buf.seek(0)
+        return torch.load(buf)  # the default weights_only=True
+    if how == "pickle":
+        return pickle.loads(pickle.dumps(t))
+    return copy.deepcopy(t)
+
+
+def _grad_of_param(w, mesh):
+    """The gradient a Replicate weight gets from a batch-sharded input: Partial before the leaf
+    hook settles it (so a loaded leaf without dtshard's hooks would keep a Partial gradient)."""
+    x = dtshard.distribute_tensor(torch.arange(8.0).reshape(2, 4), mesh, [Shard(0)]) if isinstance(w, dtshard.DTensor) \
+        else tdt.distribute_tensor(torch.arange(8.0).reshape(2, 4), mesh, [Shard(0)])
+    (x @ w).sum().backward()
+    return w.grad
+
+
+def _serialization_checks():
+    import warnings
+
+    rank = dist.get_rank()
+    mesh = _mesh_2x2()
+    base = torch.arange(24.0).reshape(4, 6)
+    out = {}
+    for name, lib in LIBS.items():
+        cases = {
+            "shard2d": lambda: lib.distribute_tensor(base, mesh, [Shard(0), Shard(1)]),
+            "submesh": lambda: lib.distribute_tensor(base, mesh["tp"], [Shard(1)]),
+            "uneven": lambda: lib.distribute_tensor(base[:3], mesh, [Shard(0), Replicate()]),
+            "partial": lambda: lib.DTensor.from_local(base + rank, mesh, [Partial(), Replicate()]),
+            "int": lambda: lib.distribute_tensor(torch.arange(8).reshape(2, 4), mesh, [Replicate(), Shard(1)]),
+            "leaf": lambda: lib.distribute_tensor(base.clone().requires_grad_(), mesh, [Shard(0), Replicate()]),
+            "param": lambda: nn.Parameter(lib.distribute_tensor(torch.arange(12.0).reshape(4, 3), mesh["tp"],
+                                                                [Replicate()])),
+        }
+        for cname, make in cases.items():
+            for how in ("save", "pickle", "deepcopy"):
+                orig = make()
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    loaded = _roundtrip(orig, how)
+                what = f"{name} {cname} {how} (rank {rank})"
+                assert type(loaded) is type(orig), what
+                assert tuple(loaded.placements) == tuple(orig.placements), what
+                assert loaded.device_mesh == orig.device_mesh, what
+                assert loaded.shape == orig.shape and loaded.stride() == orig.stride(), what
+                assert loaded.requires_grad == orig.requires_grad and loaded.is_leaf == orig.is_leaf, what
+                torch.testing.assert_close(loaded.to_local(), orig.to_local(), rtol=0, atol=0, msg=what)
+                assert [str(w.message) for w in caught] == [], (what, [str(w.message) for w in caught])
+                # the loaded tensor computes with the original (same mesh, same process groups)
+                with torch.no_grad():
+                    torch.testing.assert_close((loaded + orig).full_tensor(), 2 * orig.full_tensor(), msg=what)
+                if cname == "param":  # and trains like the original: the same gradient layout
+                    g_loaded, g_orig = _grad_of_param(loaded, mesh["tp"]), _grad_of_param(orig, mesh["tp"])
+                    assert type(g_loaded) is type(orig), what
+                    assert tuple(g_loaded.placements) == tuple(g_orig.placements), (what, g_loaded.placements)
+                    torch.testing.assert_close(g_loaded.full_tensor(), g_orig.full_tensor(), msg=what)
+                out[name, cname, how] = True
+
+        # a module's state_dict: save, load (weights_only), load_state_dict into a fresh module
+        torch.manual_seed(0)
+        model = lib.distribute_module(nn.Linear(6, 4), mesh, lambda n, m, dm: None)
+        sd = _roundtrip(model.state_dict(), "save")
+        torch.manual_seed(1)
+        fresh = lib.distribute_module(nn.Linear(6, 4), mesh)
+        fresh.load_state_dict(sd)
+        torch.testing.assert_close(fresh.weight.full_tensor(), model.weight.full_tensor(), rtol=0, atol=0)
+    return True
+
+
+# ----------------------------------------------------------------------------------------------
 
 
 def _batch(names):
@@ -213,8 +295,10 @@ def _batch(names):
 
 def test_factories_and_mesh_context_match_torch():
     assert run_distributed(_factory_checks, 4) == [True] * 4
-    results = run_distributed(_batch, 4, ["_mesh_context_checks", "_distribute_module_checks"])
+    results = run_distributed(_batch, 4, ["_mesh_context_checks", "_distribute_module_checks",
+                                          "_serialization_checks"])
     for res in results:
         msg = res["_mesh_context_checks"]
         assert msg is not None and "distribute_tensor" in msg and "with mesh" in msg, msg
         assert res["_distribute_module_checks"] is True
+        assert res["_serialization_checks"] is True
