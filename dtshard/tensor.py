@@ -20,7 +20,8 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from dtshard import collectives as C
 from dtshard.dispatch import bind_tensor_class, dispatch
 from dtshard.redistribute import redistribute_local
-from dtshard.spec import DTensorSpec, TensorMeta, mesh_identity, normalize_placements, placements_str
+from dtshard.spec import (DTensorSpec, TensorMeta, global_stride_from_local, mesh_identity, normalize_placements,
+                          placements_str)
 
 __all__ = ["DTensor", "distribute_tensor", "distribute_module"]
 
@@ -246,6 +247,9 @@ class DTensor(torch.Tensor):
                 if isinstance(p, Shard):
                     gshape[p.dim] *= device_mesh.size(i)
             shape = tuple(gshape)
+            if stride is None:  # as PyTorch: the global layout follows the local one (a transposed
+                # shard is a transposed tensor), computed from the local strides
+                stride = global_stride_from_local(local_tensor.stride(), tuple(device_mesh.shape), placements)
         shape = tuple(shape)
         stride = tuple(stride) if stride is not None else _contiguous_stride(shape)
         spec = DTensorSpec(device_mesh, tuple(placements), shape, stride, local_tensor.dtype)
@@ -370,29 +374,42 @@ class DTensor(torch.Tensor):
 
 
 def _check_from_local(local: torch.Tensor, spec: DTensorSpec) -> None:
-    """Collective check of every rank's local shape; raises the same message on every rank."""
+    """Collective check of every rank's local tensor; raises the same message on every rank.
+
+    Every rank's local shape must be its shard of ``spec``; dtype, ``requires_grad`` and the global
+    stride (passed, or computed from the local strides) must be the same on every rank (PyTorch's
+    ``run_check`` compares dtype, requires_grad, shape and stride too)."""
     mesh = spec.mesh
-    info = (C.world_rank(), C.mesh_coordinate(mesh), tuple(local.shape), str(local.dtype))
+    info = (C.world_rank(), C.mesh_coordinate(mesh), tuple(local.shape), str(local.dtype),
+            bool(local.requires_grad), tuple(spec.stride))
     # gather along each mesh dim in turn gives every rank the whole table
     table = [info]
     for i in range(mesh.ndim):
         table = [x for part in C.all_gather_object(table, mesh, i) for x in part]
     rows, bad = [], False
     table = sorted(set(table))
-    dtype0 = table[0][3]
-    for rank, coord, lshape, dtype in table:
+    _, _, _, dtype0, grad0, stride0 = table[0]
+    grads_differ = len({row[4] for row in table}) > 1
+    strides_differ = len({row[5] for row in table}) > 1
+    for rank, coord, lshape, dtype, grad, stride in table:
         want = spec.local_shape(coord)
-        ok = lshape == want and dtype == dtype0
-        bad = bad or not ok
-        rows.append(
-            f"rank {rank} (mesh coordinate {coord}) has {lshape} {dtype}"
-            + ("" if ok else f" but needs {want} {dtype0}")
-        )
+        row = f"rank {rank} (mesh coordinate {coord}) has {lshape} {dtype}"
+        if lshape != want or dtype != dtype0:
+            row += f" but needs {want} {dtype0}"
+        if grads_differ:  # shown only when the ranks disagree, for every rank
+            row += f", requires_grad={grad}" + ("" if grad == grad0 else f" but needs requires_grad={grad0}")
+        if strides_differ:
+            row += f", local strides giving global stride {stride}" + (
+                "" if stride == stride0 else f" but needs global stride {stride0}")
+        bad = bad or lshape != want or dtype != dtype0 or grad != grad0 or stride != stride0
+        rows.append(row)
     if bad:
         raise ValueError(
             f"DTensor.from_local(run_check=True): the local shards do not form a tensor of shape "
             f"{tuple(spec.shape)} with placements {placements_str(spec.placements)} on mesh "
             f"{tuple(mesh.shape)}: " + "; ".join(rows)
+            + ". Give every rank a local tensor of the same dtype, requires_grad and memory layout "
+            "(e.g. .contiguous()), shaped as its shard."
         )
 
 

@@ -286,6 +286,78 @@ def _serialization_checks():
 
 
 # ----------------------------------------------------------------------------------------------
+# Item 10: from_local keeps the local layout (strides); run_check compares requires_grad/strides
+# ----------------------------------------------------------------------------------------------
+
+
+def _from_local_stride_checks():
+    rank = dist.get_rank()
+    mesh = _mesh_2x2()
+    def data(seed):
+        return torch.randn(4, 6, 2, generator=torch.Generator().manual_seed(seed))
+
+    # ranks [[0, 1], [2, 3]]: replicated along a mesh dim, the data must agree along it
+    base, same_along_dp, same_along_tp = data(rank), data(10 + rank % 2), data(20 + rank // 2)
+    cases = {  # name: (local tensor, mesh, placements)
+        "transposed 2x2": (base[:, :, 0].t(), mesh, [Shard(0), Shard(1)]),
+        "transposed S0 S0": (base[:, :, 0].t(), mesh, [Shard(0), Shard(0)]),
+        "transposed replicate": (same_along_dp[:, :, 0].t(), mesh, [Replicate(), Shard(1)]),
+        "permuted 3-D": (base.permute(2, 0, 1), mesh, [Shard(1), Shard(2)]),
+        "sliced": (same_along_tp[:, :4, 0], mesh, [Shard(1), Replicate()]),
+        "submesh transposed": (base[:, :, 1].t(), mesh["tp"], [Shard(1)]),
+        "contiguous": (base[:, :, 0].contiguous(), mesh, [Shard(0), Shard(1)]),
+    }
+    for what, (local, m, placements) in cases.items():
+        ours = dtshard.DTensor.from_local(local, m, placements)
+        theirs = tdt.DTensor.from_local(local, m, placements)
+        _same(ours, theirs, f"{what} (rank {rank})")
+        assert ours.to_local().data_ptr() == local.data_ptr()  # a view, as in PyTorch
+        full = theirs.full_tensor()
+        # values through ops that read the layout at the wrapper (reshape, contiguous) or not
+        for op_name, op in (("full", lambda t: t), ("add", lambda t: t * 2 + 1), ("reshape", lambda t: t.reshape(-1)),
+                            ("contiguous", lambda t: t.contiguous()), ("t", lambda t: t.transpose(0, 1)),
+                            ("sum", lambda t: t.sum(0)), ("view", lambda t: t.contiguous().view(-1))):
+            want = op(full)
+            got = op(ours).full_tensor()
+            exact = {} if op_name == "sum" else {"rtol": 0, "atol": 0}  # a sharded sum adds in another order
+            torch.testing.assert_close(got, want, **exact, msg=f"{what} {op_name} (rank {rank})")
+        c = ours.contiguous()
+        assert c.is_contiguous() and c.to_local().is_contiguous(), what
+        # backward: the gradient reaches the local tensor in its own layout's values
+        leaf = local.detach().clone().requires_grad_()  # clone keeps a dense layout's strides
+        w = torch.arange(float(full.numel())).reshape(full.shape)
+        (dtshard.DTensor.from_local(leaf, m, placements) * dtshard.distribute_tensor(w, m, placements)).sum().backward()
+        theirs_leaf = leaf.detach().clone().requires_grad_()
+        (tdt.DTensor.from_local(theirs_leaf, m, placements) * tdt.distribute_tensor(w, m, placements)).sum().backward()
+        torch.testing.assert_close(leaf.grad, theirs_leaf.grad, rtol=0, atol=0, msg=what)
+    # explicit shape and stride win (as in PyTorch)
+    ours = dtshard.DTensor.from_local(base[:, :, 0].t(), mesh, [Shard(0), Shard(1)], shape=(12, 8), stride=(8, 1))
+    theirs = tdt.DTensor.from_local(base[:, :, 0].t(), mesh, [Shard(0), Shard(1)], shape=(12, 8), stride=(8, 1))
+    _same(ours, theirs, "explicit stride")
+
+    # run_check=True: ranks whose requires_grad or layout disagree are rejected on every rank
+    # (PyTorch raises too: "Inconsistent tensor metadata"), with the same message everywhere
+    errors = {}
+    good = torch.ones(6, 4)
+    bad_inputs = {
+        "requires_grad": good.clone().requires_grad_(rank == 2),
+        "stride": good.t().contiguous().t() if rank == 1 else good.clone(),
+    }
+    for what, local in bad_inputs.items():
+        for name, lib in LIBS.items():
+            try:
+                lib.DTensor.from_local(local, mesh, [Shard(0), Shard(1)], run_check=True)
+                errors[name, what] = None
+            except ValueError as e:
+                errors[name, what] = str(e)
+    # the group is still usable, and agreeing ranks pass
+    ok = dtshard.DTensor.from_local(good.t().contiguous().t(), mesh, [Shard(0), Shard(1)], run_check=True)
+    assert ok.stride() == (1, 12)
+    torch.testing.assert_close(ok.full_tensor(), torch.ones(12, 8))
+    return {k: v for k, v in errors.items() if k[0] == "dtshard"}, [k for k, v in errors.items() if v is None]
+
+
+# ----------------------------------------------------------------------------------------------
 
 
 def _batch(names):
@@ -296,9 +368,15 @@ def _batch(names):
 def test_factories_and_mesh_context_match_torch():
     assert run_distributed(_factory_checks, 4) == [True] * 4
     results = run_distributed(_batch, 4, ["_mesh_context_checks", "_distribute_module_checks",
-                                          "_serialization_checks"])
+                                          "_serialization_checks", "_from_local_stride_checks"])
     for res in results:
         msg = res["_mesh_context_checks"]
         assert msg is not None and "distribute_tensor" in msg and "with mesh" in msg, msg
         assert res["_distribute_module_checks"] is True
         assert res["_serialization_checks"] is True
+    errors, accepted = zip(*(res["_from_local_stride_checks"] for res in results))
+    assert all(not a for a in accepted), accepted  # both libraries reject both bad inputs
+    assert all(e == errors[0] for e in errors), errors  # the same message on every rank
+    msg_grad, msg_stride = errors[0]["dtshard", "requires_grad"], errors[0]["dtshard", "stride"]
+    assert "requires_grad=True but needs requires_grad=False" in msg_grad and "rank 2" in msg_grad, msg_grad
+    assert "global stride" in msg_stride and "rank 1" in msg_stride and ".contiguous()" in msg_stride, msg_stride
