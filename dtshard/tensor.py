@@ -527,10 +527,6 @@ class _OnDynamoImport:
         return spec
 
 
-if "torch._dynamo" in sys.modules:
-    _register_with_dynamo()
-else:
-    sys.meta_path.insert(0, _OnDynamoImport())
 
 
 class _ToLocal(torch.autograd.Function):
@@ -694,3 +690,11 @@ def _hook_arity(fn: Callable, what: str) -> int:
         raise ValueError(f"distribute_module: {what} should take in 3 arguments (module, "
                          f"{'inputs' if what == 'input_fn' else 'outputs'}, device_mesh), but got {n} arguments!")
     return n
+
+
+# last, once everything _runtime_entry_points names is defined (a program that imported
+# torch._dynamo before dtshard registers right away)
+if "torch._dynamo" in sys.modules:
+    _register_with_dynamo()
+else:
+    sys.meta_path.insert(0, _OnDynamoImport())

@@ -358,25 +358,125 @@ def _from_local_stride_checks():
 
 
 # ----------------------------------------------------------------------------------------------
+# Item 13: CommDebugMode
+# ----------------------------------------------------------------------------------------------
 
 
-def _batch(names):
-    """Run the named checks one after the other on every rank (one ``run_distributed`` call)."""
-    return {name: globals()[name]() for name in names}
+class _MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net1 = nn.Linear(8, 16)
+        self.net2 = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.net2(torch.relu(self.net1(x)))
 
 
-def test_factories_and_mesh_context_match_torch():
-    assert run_distributed(_factory_checks, 4) == [True] * 4
-    results = run_distributed(_batch, 4, ["_mesh_context_checks", "_distribute_module_checks",
-                                          "_serialization_checks", "_from_local_stride_checks"])
-    for res in results:
-        msg = res["_mesh_context_checks"]
+def _comm_debug_checks():
+    """PyTorch's CommDebugMode counts the collectives its own DTensor issues; code that uses it
+    with dtshard imports ``dtshard.debug.CommDebugMode`` instead (PyTorch's runs ops on any other
+    tensor subclass with itself switched off, so it cannot see collectives issued inside dtshard's
+    dispatch: see dtshard/debug.py).  dtshard.debug.CommCounter answers the same queries."""
+    import torch.distributed.tensor.parallel as tp_torch
+    from torch.distributed.tensor.debug import CommDebugMode as TorchCommDebugMode
+
+    import dtshard.parallel as tp_ours
+
+    rank = dist.get_rank()
+    mesh = _mesh_2x2()["tp"]
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    results = {}
+    for name, lib, tp, modes in (
+        ("torch", tdt, tp_torch, [TorchCommDebugMode]),
+        ("dtshard", dtshard, tp_ours, [dtshard.debug.CommDebugMode, dtshard.debug.CommCounter]),
+    ):
+        torch.manual_seed(0)
+        model = tp.parallelize_module(_MLP(), mesh, {"net1": tp.ColwiseParallel(), "net2": tp.RowwiseParallel()})
+        a = lib.distribute_tensor(torch.randn(4, 6), mesh, [Shard(1)])
+        b = lib.distribute_tensor(torch.randn(6, 4), mesh, [Shard(1)])
+        c = lib.distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)])
+        programs = {
+            "mlp": lambda: model(x).sum().backward(),  # the all_reduce of RowwiseParallel's output
+            "sum": lambda: c.sum().full_tensor(),  # all_reduce
+            "gather": lambda: c.redistribute(mesh, [Replicate()]),  # all_gather
+            "mm": lambda: a @ b,  # collectives issued INSIDE the op's dispatch
+            "add": lambda: (a @ b) + c,
+            "setup": lambda: lib.distribute_tensor(torch.ones(4, 4), mesh, [Replicate()]),  # broadcast (dtshard)
+        }
+        for prog, fn in programs.items():
+            for mode in modes:
+                with mode() as cm:
+                    fn()
+                results[prog, name, mode.__name__] = (
+                    cm.get_total_counts(), dict(cm.get_comm_counts()), dict(cm.get_sharding_info()))
+                if mode is dtshard.debug.CommDebugMode and prog == "mm":
+                    ops = [op for entry in cm.comm_module_operation_counts.values()
+                           for op in entry["operations_list"]]
+                    mm = [op for op in ops if op["name"] == torch.ops.aten.mm.default]
+                    assert mm and mm[0]["input_sharding"] == [(Shard(1),), (Shard(1),)], ops
+                    assert "all_to_all" in cm.generate_comm_debug_tracing_table(noise_level=3)
+                if prog == "gather":  # a defaultdict, as PyTorch's: a kind that never ran counts 0
+                    assert cm.get_comm_counts()[torch.ops.c10d_functional.all_reduce] == 0
+                if mode is dtshard.debug.CommCounter and prog == "setup":
+                    # CommCounter's own accounting is unchanged: the broadcast's source sends
+                    # nothing and has no record, but it took part in one call
+                    assert cm.count("broadcast") == (0 if rank in (0, 2) else 1), (rank, cm.records)
+
+    funcol = torch.ops.c10d_functional
+    for prog in ("mlp", "sum", "gather", "mm", "add", "setup"):
+        ours, counter = results[prog, "dtshard", "CommDebugMode"], results[prog, "dtshard", "CommCounter"]
+        assert ours == counter, (prog, ours, counter)  # the mode and dtshard's counter agree
+        if prog in ("mlp", "sum", "gather"):  # both libraries pick the same collectives here
+            assert ours == results[prog, "torch", "CommDebugMode"], (prog, ours, results[prog, "torch", "CommDebugMode"])
+    assert results["mm", "dtshard", "CommDebugMode"][:2] == (1, {funcol.all_to_all_single: 1})
+    assert results["setup", "dtshard", "CommDebugMode"][:2] == (1, {funcol.broadcast: 1})
+    sharding = results["mlp", "dtshard", "CommDebugMode"][2]
+    assert sharding == {"_MLP.net1.weight": (Shard(0),), "_MLP.net1.bias": (Shard(0),),
+                        "_MLP.net2.weight": (Shard(1),), "_MLP.net2.bias": (Replicate(),)}, sharding
+    return True
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def _timed(name):
+    """Run one check on a rank; return (result, seconds) so slow checks show."""
+    import time
+
+    t0 = time.perf_counter()
+    return globals()[name](), time.perf_counter() - t0
+
+
+def _run(name):
+    results = run_distributed(_timed, 4, name)
+    return [r for r, _ in results]
+
+
+def test_factories_match_torch():  # item 2
+    assert _run("_factory_checks") == [True] * 4
+
+
+def test_mesh_context_manager():  # item 8
+    for msg in _run("_mesh_context_checks"):
         assert msg is not None and "distribute_tensor" in msg and "with mesh" in msg, msg
-        assert res["_distribute_module_checks"] is True
-        assert res["_serialization_checks"] is True
-    errors, accepted = zip(*(res["_from_local_stride_checks"] for res in results))
+
+
+def test_distribute_module_two_argument_hooks():  # item 12
+    assert _run("_distribute_module_checks") == [True] * 4
+
+
+def test_serialization():  # item 7
+    assert _run("_serialization_checks") == [True] * 4
+
+
+def test_from_local_keeps_strides_and_run_check():  # item 10
+    errors, accepted = zip(*_run("_from_local_stride_checks"))
     assert all(not a for a in accepted), accepted  # both libraries reject both bad inputs
     assert all(e == errors[0] for e in errors), errors  # the same message on every rank
     msg_grad, msg_stride = errors[0]["dtshard", "requires_grad"], errors[0]["dtshard", "stride"]
     assert "requires_grad=True but needs requires_grad=False" in msg_grad and "rank 2" in msg_grad, msg_grad
     assert "global stride" in msg_stride and "rank 1" in msg_stride and ".contiguous()" in msg_stride, msg_stride
+
+
+def test_comm_debug_mode():  # item 13
+    assert _run("_comm_debug_checks") == [True] * 4
