@@ -41,9 +41,10 @@ def mesh_or_current(device_mesh: Optional[DeviceMesh], what: str) -> DeviceMesh:
         return device_mesh
     from torch.distributed.device_mesh import _mesh_resources
 
-    stack = getattr(_mesh_resources, "mesh_stack", None)
-    if stack:
-        return stack[-1]
+    try:
+        return _mesh_resources.get_current_mesh()
+    except RuntimeError:  # "No device mesh is currently active!"
+        pass
     raise ValueError(f"{what}: pass device_mesh, or call it inside a `with mesh:` block "
                      "(no DeviceMesh is active).")
 
