@@ -13,6 +13,7 @@ from dtshard import debug  # noqa: F401  (dtshard.debug.*)
 from dtshard import composites as _composites
 
 from dtshard.collectives import init_device_mesh
+from dtshard.factories import empty, full, ones, rand, randn, zeros
 from dtshard.propagate import NoRuleError, RuleError, config
 from dtshard.registry import OpCall, override, register_handler, register_rule
 from dtshard.spec import DTensorSpec, TensorMeta
@@ -34,11 +35,17 @@ __all__ = [
     "debug",
     "distribute_module",
     "distribute_tensor",
+    "empty",
+    "full",
     "init_device_mesh",
+    "ones",
+    "rand",
+    "randn",
     "override",
     "register_handler",
     "register_rule",
     "replicate_fallback",
+    "zeros",
 ]
 
 __version__ = "0.1.0"

@@ -10,6 +10,10 @@ from typing import Callable
 # callback(kind, mesh_dim, nbytes_sent, group_size, nbytes_received) for every collective
 # (mesh_dim is a tuple of mesh dims for a collective over their flattened group)
 comm_observers: list[Callable[..., None]] = []
+# callback(kind, mesh_dim, group_size) for a collective this rank takes part in without sending or
+# receiving anything, so comm_observers are not told (the source rank of a broadcast): lets
+# CommCounter.get_total_counts count calls on every rank, as PyTorch's CommDebugMode does
+source_observers: list[Callable[..., None]] = []
 # callback(kind, nbytes) for every local copy pass made by redistribute / halo code
 copy_observers: list[Callable[[str, int], None]] = []
 # callback(op_name, plan_text) for every dispatch (cache hit or miss)

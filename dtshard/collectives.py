@@ -41,6 +41,7 @@ __all__ = [
 _fc = torch.ops._c10d_functional
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
+from dtshard import _trace
 from dtshard._trace import comm_observers as _observers
 
 # Per-mesh caches, keyed by id() but checked against a weak reference: a mesh that was freed can
@@ -283,8 +284,12 @@ def all_to_all(
 def broadcast(x: torch.Tensor, src_index: int, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
     """Every rank gets the ``x`` of the rank at index ``src_index`` along ``mesh_dim``."""
     name, n = _group(mesh, mesh_dim)
-    if _observers and group_rank(mesh, mesh_dim) != src_index:
-        _notify("broadcast", mesh_dim, _nbytes(x), n)
+    if _observers:
+        if group_rank(mesh, mesh_dim) != src_index:
+            _notify("broadcast", mesh_dim, _nbytes(x), n)
+        else:  # the source moves no bytes in the accounting, but takes part in the call
+            for observer in _trace.source_observers:
+                observer("broadcast", mesh_dim, n)
     return _fc.wait_tensor(_fc.broadcast(x.contiguous(), src_index, name))
 
 

@@ -20,7 +20,7 @@ from torch.distributed.tensor.placement_types import Shard as _Shard
 from dtshard import _trace
 from dtshard.spec import placements_str
 
-__all__ = ["CommCounter", "CommRecord", "CopyCounter", "explain", "plan_log", "visualize_sharding"]
+__all__ = ["CommCounter", "CommDebugMode", "CommRecord", "CopyCounter", "explain", "plan_log", "visualize_sharding"]
 
 
 @dataclass(frozen=True)
@@ -54,14 +54,26 @@ class CommCounter:
         self._module = module
         self._stack: list[str] = []
         self._handles: list = []
+        self._sharding_info: dict = {}
+        self._names = None
+        #: kinds of the collectives this rank took part in without moving bytes (a broadcast's
+        #: source): not in ``records`` (nothing sent or received), counted by get_total_counts
+        self._source_calls: list[str] = []
 
     def _observe(self, kind: str, mesh_dim, nbytes: int, group_size: int, recv: int | None = None) -> None:
         self.records.append(CommRecord(_trace.current_op[0], kind, mesh_dim, nbytes, group_size,
                                        nbytes if recv is None else recv))
         self.modules.append(self._stack[-1] if self._stack else "<outside module forwards>" if self._module else "")
 
+    def _observe_source(self, kind: str, mesh_dim, group_size: int) -> None:
+        self._source_calls.append(kind)
+
     def __enter__(self) -> "CommCounter":
         _trace.comm_observers.append(self._observe)
+        _trace.source_observers.append(self._observe_source)
+        self._sharding_info = {}
+        self._names = _ModuleNames()
+        self._handles.append(_register_global_pre_hook(self._note_sharding))
         if self._module is not None:
             for name, sub in self._module.named_modules():
                 label = name or type(self._module).__name__
@@ -71,6 +83,7 @@ class CommCounter:
 
     def __exit__(self, *exc) -> bool:
         _trace.comm_observers.remove(self._observe)
+        _trace.source_observers.remove(self._observe_source)
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -112,6 +125,33 @@ class CommCounter:
     def kinds(self) -> list[str]:
         return [r.kind for r in self.records]
 
+    # ---- the query methods of torch.distributed.tensor.debug.CommDebugMode ------------------
+    def get_total_counts(self) -> int:
+        """Number of collective calls this rank took part in (as ``CommDebugMode.get_total_counts``;
+        unlike :meth:`count`, a broadcast counts on its source rank too)."""
+        return len(self.records) + len(self._source_calls)
+
+    def get_comm_counts(self) -> dict:
+        """Collectives by kind, keyed as ``CommDebugMode.get_comm_counts`` keys them: by the
+        functional-collective op (``torch.ops.c10d_functional.all_gather_into_tensor``, ...); a
+        ``defaultdict(int)``, so a kind that never ran counts 0."""
+        out: dict = defaultdict(int)
+        for kind in [r.kind for r in self.records] + self._source_calls:
+            out[_funcol_op(kind)] += 1
+        return out
+
+    def get_sharding_info(self) -> dict:
+        """Placements of every DTensor parameter of the modules whose forward ran inside the
+        context, keyed ``"<Root class>.<submodule path>.<param>"`` (as
+        ``CommDebugMode.get_sharding_info``)."""
+        return dict(self._sharding_info)
+
+    def _note_sharding(self, module, args) -> None:  # a global forward pre-hook; keeps the inputs
+        name = self._names.name(module)
+        for param_name, param in module.named_parameters(recurse=False):
+            if hasattr(param.data, "placements"):
+                self._sharding_info[f"{name}.{param_name}"] = param.data.placements
+
     def by_op(self) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         for r in self.records:
@@ -130,6 +170,112 @@ class CommCounter:
         return "\n".join(
             f"{op}: {kind} x{n} on {_dims_text(md)}, {b} bytes" for (op, kind, md), (n, b) in agg.items()
         )
+
+
+#: CommRecord.kind -> the op PyTorch's CommDebugMode counts it under (its legacy funcol keys)
+_FUNCOL_NAMES = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor",
+                 "all_reduce": "all_reduce", "all_to_all": "all_to_all_single", "broadcast": "broadcast"}
+
+
+def _funcol_op(kind: str):
+    import torch
+
+    return getattr(torch.ops.c10d_functional, _FUNCOL_NAMES[kind])
+
+
+def _register_global_pre_hook(hook):
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    return register_module_forward_pre_hook(hook)
+
+
+class _ModuleNames:
+    """Module names as PyTorch's ModTracker gives them (so ``get_sharding_info`` keys match
+    CommDebugMode's): a module first seen is named by its class, its children ``parent.child``."""
+
+    def __init__(self) -> None:
+        import weakref
+
+        self._known = weakref.WeakKeyDictionary()
+        self._seen = weakref.WeakSet()
+
+    def name(self, module) -> str:
+        if module not in self._known:
+            self._known[module] = type(module).__name__
+        name = self._known[module]
+        if module not in self._seen:
+            for child_name, child in module.named_children():
+                self._known[child] = f"{name}.{child_name}"
+                self.name(child)
+            self._seen.add(module)
+        return name
+
+
+def __getattr__(name: str):
+    # built on first use: importing torch.distributed.tensor.debug is not free
+    if name == "CommDebugMode":
+        cls = _make_comm_debug_mode()
+        globals()["CommDebugMode"] = cls
+        return cls
+    raise AttributeError(f"module 'dtshard.debug' has no attribute {name!r}")
+
+
+def _make_comm_debug_mode():
+    """``dtshard.debug.CommDebugMode``: PyTorch's ``CommDebugMode`` that also sees dtshard.
+
+    Why PyTorch's own does not: it is a ``TorchDispatchMode``, and modes run before tensor
+    subclasses.  For ITS DTensor it records the op and returns ``NotImplemented``, so that
+    DTensor's ``__torch_dispatch__`` runs with the mode still active and the collectives it issues
+    on plain tensors reach the mode and are counted.  Any other subclass (dtshard's DTensor) it
+    runs itself, with the mode switched off for the call, so nothing dtshard does inside (whatever
+    the collective path) reaches it, and its parameter tracker only records PyTorch's DTensor
+    parameters.  This subclass treats dtshard's DTensor exactly like PyTorch's: dtshard then
+    dispatches under the mode, so its collectives take the functional path
+    (``torch.ops._c10d_functional``, see collectives._eager_group) and are counted under the same
+    keys.  Nothing is patched in PyTorch; the eager path outside this mode is unchanged."""
+    import torch
+    from torch.distributed.tensor.debug import CommDebugMode as _TorchCommDebugMode
+    from torch.distributed.tensor.debug._comm_mode import _CommModeModuleTracker
+
+    from dtshard.tensor import DTensor
+
+    class _Tracker(_CommModeModuleTracker):
+        def _fw_pre_hook(self, mod, input):
+            super()._fw_pre_hook(mod, input)
+            if self.activation_checkpointing:
+                return
+            for param_name, param in mod.named_parameters(recurse=False):
+                if isinstance(param.data, DTensor):
+                    self.sharding_dict[f"{self.name}.{param_name}"] = param.data.placements
+                    self.module_helper_dict[self.name].setdefault("parameters", {})[param_name] = \
+                        str(param.data.placements)
+
+    class CommDebugMode(_TorchCommDebugMode):
+        __doc__ = _make_comm_debug_mode.__doc__
+
+        def __init__(self):
+            super().__init__()
+            self.advanced_module_tracker = _Tracker()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if isinstance(func, torch._ops.HigherOrderOperator) or not any(issubclass(t, DTensor) for t in types):
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            # what PyTorch's mode records for an op on its DTensor, then let dtshard run it
+            tracker = self.advanced_module_tracker
+            ops = self.comm_module_operation_counts.setdefault(tracker.name, {"operations_list": []})
+            entry = {"name": func, "input_shape": [], "input_sharding": [], "device_mesh": "",
+                     "is_bw": tracker.is_bw, "is_activation_checkpointing": tracker.activation_checkpointing}
+            for a in args:
+                if isinstance(a, DTensor):
+                    entry["input_shape"].append(a.shape)
+                    entry["input_sharding"].append(a.placements)
+                    entry["device_mesh"] = str(a.device_mesh)
+            ops["operations_list"].append(entry)
+            return NotImplemented
+
+    CommDebugMode.__module__ = __name__
+    CommDebugMode.__qualname__ = "CommDebugMode"
+    return CommDebugMode
 
 
 class CopyCounter:

@@ -64,6 +64,21 @@ def local_shape_and_offset(
     return tuple(shape), tuple(offset)
 
 
+def global_stride_from_local(local_stride: Sequence[int], mesh_shape: Sequence[int],
+                             placements: Sequence[Placement]) -> tuple[int, ...]:
+    """The global stride of evenly sharded local shards laid out like ``local_stride``: PyTorch's
+    rule (``compute_global_tensor_info``, used by its ``DTensor.from_local``).  For each mesh dim
+    that shards tensor dim ``d`` over ``n`` ranks, every stride at least ``local_stride[d]`` (the
+    dims laid out outside ``d``) grows ``n`` times, so a transposed shard gives a transposed global
+    tensor and a contiguous shard a contiguous one."""
+    stride = list(local_stride)
+    for mesh_dim, p in enumerate(placements):
+        if isinstance(p, Shard):
+            n, base = mesh_shape[mesh_dim], stride[p.dim]
+            stride = [s * n if i != p.dim and s >= base else s for i, s in enumerate(stride)]
+    return tuple(stride)
+
+
 def placement_str(p: Placement) -> str:
     """Short stable text of one placement: S(0), R, P(sum)."""
     if isinstance(p, Shard):
@@ -159,6 +174,11 @@ class DTensorSpec:
             and self.stride == other.stride
             and self.dtype == other.dtype
         )
+
+    def __getstate__(self) -> dict:
+        # pickling (torch.save, deepcopy): the fields only.  The cached hash covers the mesh's
+        # identity (its process group names), which a load in another process may not share.
+        return {k: v for k, v in self.__dict__.items() if k not in ("_hash", "_mesh_shape")}
 
     # ---- derived metadata -------------------------------------------------------------------
     @property

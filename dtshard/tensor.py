@@ -20,7 +20,8 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from dtshard import collectives as C
 from dtshard.dispatch import bind_tensor_class, dispatch
 from dtshard.redistribute import redistribute_local
-from dtshard.spec import DTensorSpec, mesh_identity, normalize_placements, placements_str
+from dtshard.spec import (DTensorSpec, TensorMeta, global_stride_from_local, mesh_identity, normalize_placements,
+                          placements_str)
 
 __all__ = ["DTensor", "distribute_tensor", "distribute_module"]
 
@@ -31,6 +32,21 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
         stride.append(acc)
         acc *= max(s, 1)
     return tuple(reversed(stride))
+
+
+def mesh_or_current(device_mesh: Optional[DeviceMesh], what: str) -> DeviceMesh:
+    """``device_mesh``, or else the mesh of the innermost ``with mesh:`` block (PyTorch's current
+    mesh, the stack ``DeviceMesh.__enter__`` pushes to), as ``torch.distributed.tensor`` does."""
+    if device_mesh is not None:
+        return device_mesh
+    from torch.distributed.device_mesh import _mesh_resources
+
+    try:
+        return _mesh_resources.get_current_mesh()
+    except RuntimeError:  # "No device mesh is currently active!"
+        pass
+    raise ValueError(f"{what}: pass device_mesh, or call it inside a `with mesh:` block "
+                     "(no DeviceMesh is active).")
 
 
 def _install_grad_hooks(leaf: "DTensor") -> None:
@@ -46,7 +62,9 @@ def _install_grad_hooks(leaf: "DTensor") -> None:
     """
     if getattr(leaf, "_dtshard_settles_grads", False) or torch.compiler.is_compiling():
         return
-    leaf.register_hook(functools.partial(_grad_as_dtensor, leaf._spec))
+    hook = functools.partial(_grad_as_dtensor, leaf._spec)
+    hook.__torch_unserializable__ = True  # torch.save: __setstate__ installs fresh hooks (no warning)
+    leaf.register_hook(hook)
     leaf.register_post_accumulate_grad_hook(_settle_grad)
     leaf._dtshard_settles_grads = True
 
@@ -141,6 +159,18 @@ class DTensor(torch.Tensor):
             _install_grad_hooks(self)
         return self
 
+    def __setstate__(self, state) -> None:
+        """Unpickling (``torch.load``, ``pickle``): the saved ``__dict__`` comes back, but tensor hooks
+        are not serialized, so a loaded leaf that requires grad installs its own (the saved flag
+        that says "installed" is dropped)."""
+        def drop_flag(d):
+            return {k: v for k, v in d.items() if k != "_dtshard_settles_grads"} if d else d
+
+        state = (drop_flag(state[0]), state[1]) if isinstance(state, tuple) else drop_flag(state)
+        torch._utils._set_obj_state(self, state)
+        if self.requires_grad and self.is_leaf:
+            _install_grad_hooks(self)
+
     def __repr__(self) -> str:  # never gathers
         return (
             f"dtshard.DTensor(local={self._local_tensor}, shape={tuple(self._spec.shape)}, "
@@ -209,8 +239,7 @@ class DTensor(torch.Tensor):
         fit ``shape``/``placements`` (costs one collective).
         """
         _reject_distributed_input(local_tensor, "DTensor.from_local")
-        if device_mesh is None:
-            raise ValueError("DTensor.from_local: pass device_mesh (dtshard has no implicit global mesh)")
+        device_mesh = mesh_or_current(device_mesh, "DTensor.from_local")
         if placements is None:
             placements = [Replicate()] * device_mesh.ndim
         placements = normalize_placements(placements, local_tensor.dim(), device_mesh.ndim, what="DTensor.from_local")
@@ -220,6 +249,9 @@ class DTensor(torch.Tensor):
                 if isinstance(p, Shard):
                     gshape[p.dim] *= device_mesh.size(i)
             shape = tuple(gshape)
+            if stride is None:  # as PyTorch: the global layout follows the local one (a transposed
+                # shard is a transposed tensor), computed from the local strides
+                stride = global_stride_from_local(local_tensor.stride(), tuple(device_mesh.shape), placements)
         shape = tuple(shape)
         stride = tuple(stride) if stride is not None else _contiguous_stride(shape)
         spec = DTensorSpec(device_mesh, tuple(placements), shape, stride, local_tensor.dtype)
@@ -365,33 +397,51 @@ def _reject_distributed_input(t, what: str) -> None:
 
 
 def _check_from_local(local: torch.Tensor, spec: DTensorSpec) -> None:
-    """Collective check of every rank's local shape; raises the same message on every rank."""
+    """Collective check of every rank's local tensor; raises the same message on every rank.
+
+    Every rank's local shape must be its shard of ``spec``; dtype, ``requires_grad`` and the global
+    stride (passed, or computed from the local strides) must be the same on every rank (PyTorch's
+    ``run_check`` compares dtype, requires_grad, shape and stride too)."""
     mesh = spec.mesh
-    info = (C.world_rank(), C.mesh_coordinate(mesh), tuple(local.shape), str(local.dtype))
+    info = (C.world_rank(), C.mesh_coordinate(mesh), tuple(local.shape), str(local.dtype),
+            bool(local.requires_grad), tuple(spec.stride))
     # gather along each mesh dim in turn gives every rank the whole table
     table = [info]
     for i in range(mesh.ndim):
         table = [x for part in C.all_gather_object(table, mesh, i) for x in part]
     rows, bad = [], False
     table = sorted(set(table))
-    dtype0 = table[0][3]
-    for rank, coord, lshape, dtype in table:
+    _, _, _, dtype0, grad0, stride0 = table[0]
+    grads_differ = len({row[4] for row in table}) > 1
+    strides_differ = len({row[5] for row in table}) > 1
+    for rank, coord, lshape, dtype, grad, stride in table:
         want = spec.local_shape(coord)
-        ok = lshape == want and dtype == dtype0
-        bad = bad or not ok
-        rows.append(
-            f"rank {rank} (mesh coordinate {coord}) has {lshape} {dtype}"
-            + ("" if ok else f" but needs {want} {dtype0}")
-        )
+        row = f"rank {rank} (mesh coordinate {coord}) has {lshape} {dtype}"
+        if lshape != want or dtype != dtype0:
+            row += f" but needs {want} {dtype0}"
+        if grads_differ:  # shown only when the ranks disagree, for every rank
+            row += f", requires_grad={grad}" + ("" if grad == grad0 else f" but needs requires_grad={grad0}")
+        if strides_differ:
+            row += f", local strides giving global stride {stride}" + (
+                "" if stride == stride0 else f" but needs global stride {stride0}")
+        bad = bad or lshape != want or dtype != dtype0 or grad != grad0 or stride != stride0
+        rows.append(row)
     if bad:
         raise ValueError(
             f"DTensor.from_local(run_check=True): the local shards do not form a tensor of shape "
             f"{tuple(spec.shape)} with placements {placements_str(spec.placements)} on mesh "
             f"{tuple(mesh.shape)}: " + "; ".join(rows)
+            + ". Give every rank a local tensor of the same dtype, requires_grad and memory layout "
+            "(e.g. .contiguous()), shaped as its shard."
         )
 
 
 bind_tensor_class(DTensor)
+
+# ``torch.load``'s default ``weights_only=True`` unpickles only allowlisted classes: dtshard's DTensor
+# and its spec join the ones ``torch.distributed.tensor`` registers for its own DTensor (DeviceMesh,
+# its layout, the placements), so a saved DTensor loads without ``weights_only=False``.
+torch.serialization.add_safe_globals([DTensor, DTensorSpec, TensorMeta, DeviceMesh, Shard, Replicate, Partial])
 
 
 def _register_foreach_support() -> None:
@@ -569,9 +619,8 @@ def distribute_tensor(
     ``src_data_rank=None`` every rank is trusted to hold the same tensor and only slices locally
     (no communication).  The result is a leaf when ``tensor`` is (requires_grad kept).
     """
-    if device_mesh is None:
-        raise ValueError("distribute_tensor: pass device_mesh")
     _reject_distributed_input(tensor, "distribute_tensor")
+    device_mesh = mesh_or_current(device_mesh, "distribute_tensor")
     placements = list(placements) if placements is not None else [Replicate()] * device_mesh.ndim
     placements = normalize_placements(placements, tensor.dim(), device_mesh.ndim, what="distribute_tensor")
     requires_grad = tensor.requires_grad
@@ -623,10 +672,11 @@ def distribute_module(
 
     ``partition_fn(name, submodule, mesh)`` may distribute parameters itself; whatever it leaves as
     plain tensors is replicated.  ``input_fn(module, inputs, mesh)`` and
-    ``output_fn(module, outputs, mesh)`` become forward pre-/post-hooks.
+    ``output_fn(module, outputs, mesh)`` become forward pre-/post-hooks (the deprecated two-argument
+    forms ``input_fn(inputs, mesh)`` / ``output_fn(outputs, mesh)`` work too, with a FutureWarning,
+    as in PyTorch).
     """
-    if device_mesh is None:
-        raise ValueError("distribute_module: pass device_mesh")
+    device_mesh = mesh_or_current(device_mesh, "distribute_module")
     rep = [Replicate()] * device_mesh.ndim
 
     def replicate_rest(m: torch.nn.Module) -> None:
@@ -644,10 +694,38 @@ def distribute_module(
             partition_fn(name, sub, device_mesh)
         replicate_rest(sub)
     if input_fn is not None:
-        module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, device_mesh))
+        if _hook_arity(input_fn, "input_fn") == 2:
+            module.register_forward_pre_hook(lambda mod, inputs: input_fn(inputs, device_mesh))
+        else:
+            module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, device_mesh))
     if output_fn is not None:
-        module.register_forward_hook(lambda mod, inputs, outputs: output_fn(mod, outputs, device_mesh))
+        if _hook_arity(output_fn, "output_fn") == 2:
+            module.register_forward_hook(lambda mod, inputs, outputs: output_fn(outputs, device_mesh))
+        else:
+            module.register_forward_hook(lambda mod, inputs, outputs: output_fn(mod, outputs, device_mesh))
     return module
+
+
+def _hook_arity(fn: Callable, what: str) -> int:
+    """2 or 3: how many arguments ``distribute_module``'s ``input_fn``/``output_fn`` takes.
+
+    As in PyTorch (which reads the signature the same way): the old form ``fn(inputs, mesh)`` /
+    ``fn(outputs, mesh)`` still works, with a FutureWarning; the current one is
+    ``fn(module, inputs, mesh)``; any other count raises."""
+    import inspect
+    import warnings
+
+    n = len(inspect.signature(fn).parameters)
+    if n == 2:
+        kind = "inputs" if what == "input_fn" else "outputs"
+        warnings.warn(
+            f"Deprecating {what} that takes two arguments ({kind}, device_mesh), "
+            f"please use {what} that takes in (module, {kind}, device_mesh) instead!",
+            FutureWarning, stacklevel=3)
+    elif n != 3:
+        raise ValueError(f"distribute_module: {what} should take in 3 arguments (module, "
+                         f"{'inputs' if what == 'input_fn' else 'outputs'}, device_mesh), but got {n} arguments!")
+    return n
 
 
 # At the END of the module: _runtime_entry_points names classes defined above (_ToLocal,
