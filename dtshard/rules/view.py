@@ -283,3 +283,41 @@ def diagonal_backward_rule(call: OpCall):
     d2 = norm_dim(call.arg(4, "dim2"), nd)
     rest = [d for d in range(nd) if d not in (d1, d2)]
     return _dim_map_strategies(g, {o: d for o, d in enumerate(rest)})
+
+
+# ---------------------------------------------------------------------------------------------
+# complex views: view_as_real / view_as_complex (the real-imaginary pair is a trailing dim of
+# size 2), and the lazy conjugate / negative bits (_conj, _neg_view; conj, resolve_conj and
+# resolve_neg are CompositeImplicitAutograd and decompose into these, clone and copy)
+# ---------------------------------------------------------------------------------------------
+
+# Partial terms that stay valid through a complex view: the views are real-linear (the sum of
+# the terms' real pairs is the pair of the sum), and max/min do not exist for complex values.
+_LINEAR_PARTIALS = (Partial("sum"), Partial("avg"))
+
+
+@register_rule(aten.view_as_real.default)
+def view_as_real_rule(call: OpCall):
+    # (...) complex -> (..., 2) real: every dim keeps its shard; the new pair dim is whole
+    x = call.tensors[0]
+    return _dim_map_strategies(x, {d: d for d in range(x.ndim)}, partial=False) + _partials_of(_LINEAR_PARTIALS)
+
+
+@register_rule(aten.view_as_complex.default)
+def view_as_complex_rule(call: OpCall):
+    # (..., 2) real -> (...) complex: the pair dim disappears, so it is never offered sharded (a
+    # rank would hold half a number); a Shard of it is gathered first
+    x = call.tensors[0]
+    return _dim_map_strategies(x, {d: d for d in range(x.ndim - 1)}, partial=False) + _partials_of(_LINEAR_PARTIALS)
+
+
+@register_rule([aten._conj.default, aten._neg_view.default])
+def conj_view_rule(call: OpCall):
+    # elementwise and real-linear; on real tensors both are order-reversing or the identity, so
+    # only sum/avg are kept (max of -x is -min x: not the same reduce op)
+    x = call.tensors[0]
+    return _dim_map_strategies(x, {d: d for d in range(x.ndim)}, partial=False) + _partials_of(_LINEAR_PARTIALS)
+
+
+def _partials_of(partials, n_in: int = 1, n_out: int = 1):
+    return [((p,) * n_out, (p,) * n_in) for p in partials]
