@@ -15,9 +15,13 @@ from dtshard.rules._common import R
 
 aten = torch.ops.aten
 _PARTIALS = (Partial("sum"), Partial("avg"), Partial("max"), Partial("min"))
+#: also Partial("product"): for ops that keep every term's value (clone, copy, same-dtype _to_copy)
+#: or make it zero (0 is a valid term of every reduction).  Not for dtype conversions: rounding
+#: each factor is not rounding the product.
+_ALL_PARTIALS = _PARTIALS + (Partial("product"),)
 
 
-def _same_layout(x, partials=_PARTIALS, n_in: int = 1):
+def _same_layout(x, partials=_ALL_PARTIALS, n_in: int = 1):
     strategies = [((Shard(d),), (Shard(d),) * n_in) for d in range(x.ndim)]
     strategies += [((p,), (p,) * n_in) for p in partials]
     return strategies
@@ -64,13 +68,13 @@ def copy_rule(call: OpCall):
         sp = Shard(sd) if sd >= 0 and src.shape[sd] == dst.shape[d] else R
         strategies.append(((Shard(d),), (Shard(d), sp)))
     if src.shape == dst.shape:
-        strategies += [((p,), (p, p)) for p in _PARTIALS]
+        strategies += [((p,), (p, p)) for p in _ALL_PARTIALS]
     return strategies
 
 
 def _any_input_to_replicate(x):
     """(R out, p in) for every placement p: for results that never read the input's values."""
-    inputs = [Shard(d) for d in range(x.ndim)] + [Replicate(), *_PARTIALS]
+    inputs = [Shard(d) for d in range(x.ndim)] + [Replicate(), *_ALL_PARTIALS]
     return [((R,), (p,)) for p in inputs]
 
 
@@ -104,7 +108,7 @@ def new_factory_rule(call: OpCall):
         strategies += [((Shard(d),), (Shard(d),)) for d in range(x.ndim)]
         if call.op in (aten.new_empty.default, aten.new_empty_strided.default, aten.new_zeros.default):
             # uninitialised or zero values are valid partial terms
-            strategies += [((p,), (p,)) for p in _PARTIALS]
+            strategies += [((p,), (p,)) for p in _ALL_PARTIALS]
     return strategies
 
 

@@ -17,7 +17,9 @@ from dtshard.registry import OpCall, register_rule
 from dtshard.rules._common import R, norm_dim
 
 aten = torch.ops.aten
-_PARTIALS = (Partial("sum"), Partial("avg"), Partial("max"), Partial("min"))
+# views and rearrangements move elements (or fill zeros: a valid term of every reduction, 0 being
+# absorbing for product), so every Partial passes through them
+_PARTIALS = (Partial("sum"), Partial("avg"), Partial("max"), Partial("min"), Partial("product"))
 
 
 def _partials(n_in: int = 1, n_out: int = 1):

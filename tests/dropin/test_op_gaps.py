@@ -350,3 +350,114 @@ def test_view_as_complex_never_offers_a_sharded_pair_dim():
         ins = [s[1][0] for s in strategies]
         assert Shard(len(shape) - 1) not in ins, (shape, strategies)
         assert [Shard(d) for d in range(len(shape) - 1)] == [p for p in ins if isinstance(p, Shard)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Item 5: Partial("product")
+# ---------------------------------------------------------------------------------------------
+
+def _product_worker(world):
+    m = _mesh((world,))
+    rank = m.get_coordinate()[0]
+    g = torch.Generator().manual_seed(3)
+    # terms whose product is exact in float32: small powers of two with signs
+    terms = [torch.randint(-2, 3, (8, 5), generator=g).float().clamp(min=0.5) * torch.randint(0, 2, (8, 5), generator=g).float().mul(2).sub(1)
+             for _ in range(world)]
+    want = torch.stack(terms).prod(0)
+    X = torch.randint(1, 4, (8, 6), generator=g).float()
+    out = {}
+    for name, dt, _ in _libs():
+        p = dt.DTensor.from_local(terms[rank], m, [Partial("product")])
+        assert p.placements == (Partial("product"),)
+        _close(p.full_tensor(), want, f"{name} P(product) -> R")
+        for d in (0, 1):
+            s = p.redistribute(m, [Shard(d)])
+            _close(s.full_tensor(), want, f"{name} P(product) -> S({d})")
+        # prod over a sharded dim leaves partial products
+        for f, fname in ((lambda t: t.prod(0), "prod(0)"), (lambda t: t.prod(), "prod()")):
+            x = dt.distribute_tensor(X, m, [Shard(0)]).requires_grad_()
+            x0 = X.clone().requires_grad_()
+            y, y0 = f(x), f(x0)
+            out[(name, fname)] = str(y.placements)
+            _close(y.full_tensor(), y0, f"{name} {fname}")
+            if name == "dtshard":  # PyTorch's DTensor: prod's backward raises (mixed Tensor in cat)
+                y.sum().backward()
+                y0.sum().backward()
+                _close(x.grad.full_tensor(), x0.grad, f"{name} {fname} grad")
+        # the spelling: PyTorch has "product"; "prod" fails (PyTorch: when reduced; dtshard: at once)
+        try:
+            dt.DTensor.from_local(terms[rank], m, [Partial("prod")]).full_tensor()
+            out[(name, "prod spelling")] = "accepted"
+        except (ValueError, RuntimeError) as e:
+            out[(name, "prod spelling")] = str(e)
+
+    # dtshard: R -> P(product) keeps the value on one rank and ones elsewhere (exact), both ways
+    r = dtshard.distribute_tensor(want, m, [Replicate()])
+    pr = r.redistribute(m, [Partial("product")])
+    _close(pr.to_local(), want if rank == 0 else torch.ones_like(want), "R -> P(product) terms")
+    _close(pr.full_tensor(), want, "R -> P(product) -> R")
+    p = dtshard.DTensor.from_local(terms[rank], m, [Partial("product")])
+    with CommCounter() as cc:
+        p.redistribute(m, [Replicate()])
+    assert cc.kinds() == ["all_reduce"], cc.summary()
+    with CommCounter() as cc:
+        p.redistribute(m, [Shard(0)])  # 8 rows split evenly
+    assert cc.kinds() == ["reduce_scatter"], cc.summary()
+    # uneven rows (5 on 4 ranks: 2, 2, 1, 0): exact pieces by all_to_all, multiplied locally
+    q = dtshard.DTensor.from_local(terms[rank][:5], m, [Partial("product")])
+    _close(q.redistribute(m, [Shard(0)]).full_tensor(), want[:5], "uneven P(product) -> S(0)")
+    # integers: exact
+    ip = dtshard.DTensor.from_local(torch.full((3,), rank + 2, dtype=torch.int64), m, [Partial("product")])
+    assert ip.full_tensor().tolist() == [torch.arange(2, world + 2).prod().item()] * 3
+    # ops that do not commute with a product reduce first (mul by a scalar would give 2**n * x)
+    placements = {}
+    for fname, f in (("mul scalar", lambda t: t * 2), ("add", lambda t: t + 1), ("neg", lambda t: -t),
+                     ("div", lambda t: t / 2), ("sum", lambda t: t.sum()), ("pow", lambda t: t ** 2),
+                     ("mm", lambda t: t @ t.t()), ("mul P(product)", lambda t: t * t),
+                     ("clone", lambda t: t.clone()), ("t", lambda t: t.t()), ("view", lambda t: t.view(-1)),
+                     ("prod(1)", lambda t: t.prod(1))):
+        got = f(p)
+        _close(got.full_tensor(), f(want), f"P(product) {fname}")
+        placements[fname] = str(got.placements)
+    out["ops"] = placements
+    return out
+
+
+def _product_2d_worker(world):
+    m = _mesh((2, world // 2))
+    c = m.get_coordinate()
+    g = torch.Generator().manual_seed(4)
+    terms = torch.randint(1, 3, (2, world // 2, 4, 6), generator=g).float()
+    want = terms.prod(0).prod(0)
+    p = dtshard.DTensor.from_local(terms[c[0], c[1]], m, [Partial("product"), Partial("product")])
+    for dst in ([Replicate(), Replicate()], [Shard(0), Shard(1)], [Shard(1), Replicate()], [Partial("product"), Replicate()]):
+        _close(p.redistribute(m, dst).full_tensor(), want, f"2-D P(product) -> {dst}")
+    with CommCounter() as cc:
+        p.redistribute(m, [Replicate(), Replicate()])
+    # mixed with a sum: the value would depend on the reduction order (PyTorch rejects mixed
+    # Partial types): refused, on every rank, with what to do
+    try:
+        dtshard.DTensor.from_local(terms[c[0], c[1]], m, [Partial("product"), Partial("sum")])
+    except ValueError as e:
+        assert "mix Partial('product') with ['sum']" in str(e) and "redistribute" in str(e), e
+    else:
+        raise AssertionError("mixed (P(product), P(sum)) accepted")
+    return cc.kinds()
+
+
+def test_partial_product():
+    """Partial("product") (PyTorch's name) in from_local, redistribute (all_reduce / reduce_scatter
+    with PRODUCT; R -> P(product): ones on the other ranks) and from prod over a sharded dim, on
+    PyTorch's DTensor and dtshard; ops that do not commute with a product reduce first."""
+    for out in run_distributed(_product_worker, 4, 4):
+        for lib in ("torch", "dtshard"):
+            assert out[(lib, "prod(0)")] == out[(lib, "prod()")] == "(Partial(product),)", out
+        assert out[("torch", "prod spelling")] != "accepted"
+        assert "Partial('prod') is not supported (PyTorch spells it 'product')" in out[("dtshard", "prod spelling")]
+        ops = out["ops"]
+        for fname in ("mul scalar", "add", "neg", "div", "sum", "pow", "mm"):
+            assert "product" not in ops[fname], (fname, ops[fname])
+        for fname in ("clone", "t", "view", "prod(1)"):
+            assert ops[fname] == "(Partial(product),)", (fname, ops[fname])
+    for kinds in run_distributed(_product_2d_worker, 4, 4):
+        assert kinds == ["all_reduce"], kinds  # one all_reduce over the flattened 2x2 group
