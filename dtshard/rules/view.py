@@ -88,6 +88,11 @@ def view_rule(call: OpCall):
         first_out = next((d for d in outs if out_shape[d] != 1), None)
         if first_in is not None and first_out is not None:
             strategies.append(((Shard(first_out),), (Shard(first_in),)))
+        elif first_in is None and first_out is None and ins and outs:
+            # a group of size-1 dims ((1, 6) -> (1, 2, 3): dim 0 -> dim 0): a size-1 dim sharded
+            # over the mesh (one rank holds it, the others nothing) stays the same layout as a
+            # size-1 dim of the view, so the view keeps aliasing, as in PyTorch
+            strategies.append(((Shard(outs[0]),), (Shard(ins[0]),)))
     return strategies
 
 

@@ -295,7 +295,7 @@ def apply_rotary_emb(xq, freqs_cis):
     return xq_out.type_as(xq)
 
 
-def _rope_worker(world, shape, libs):
+def _rope_worker(world, shape, libs, placements=(Shard(0), Shard(1), Shard(2), Shard(3), Replicate())):
     m = _mesh((world,))
     B, S, H, D = shape
     g = torch.Generator().manual_seed(0)
@@ -308,7 +308,7 @@ def _rope_worker(world, shape, libs):
     for name, dt, _ in _libs():
         if name not in libs:
             continue
-        for p in (Shard(0), Shard(1), Shard(2), Shard(3), Replicate()):
+        for p in placements:
             x = dt.distribute_tensor(X, m, [p]).requires_grad_()
             w = dt.distribute_tensor(W, m, [p])
             # the frequencies follow the sequence shards; computed with torch.polar on DTensors
@@ -334,7 +334,7 @@ def test_llama_rotary_embedding():
     for out in run_distributed(_rope_worker, 2, 2, (2, 4, 4, 8), ("torch", "dtshard")):
         for p in ("S(0)", "S(1)", "S(2)", "S(3)"):
             assert out[("dtshard", p)] == out[("torch", p)], (p, out)
-    for out in run_distributed(_rope_worker, 4, 4, (2, 6, 3, 8), ("dtshard",)):
+    for out in run_distributed(_rope_worker, 4, 4, (2, 6, 3, 8), ("dtshard",), (Shard(0), Shard(1), Shard(3))):
         assert out[("dtshard", "S(1)")] == "(Shard(dim=1),)", out
 
 
@@ -461,3 +461,151 @@ def test_partial_product():
             assert ops[fname] == "(Partial(product),)", (fname, ops[fname])
     for kinds in run_distributed(_product_2d_worker, 4, 4):
         assert kinds == ["all_reduce"], kinds  # one all_reduce over the flattened 2x2 group
+
+
+# ---------------------------------------------------------------------------------------------
+# Item 11: in-place ops on Partial
+# ---------------------------------------------------------------------------------------------
+
+def _inplace_partial_worker(world):
+    m = _mesh((world,))
+    rank = m.get_coordinate()[0]
+    g = torch.Generator().manual_seed(5)
+    A = torch.randint(-4, 5, (3, 4), generator=g).float()
+    B = torch.randint(-4, 5, (4,), generator=g).float()
+    W = torch.randint(-4, 5, (3, 4), generator=g).float()
+    out = {}
+    for name, dt, _ in _libs():
+        # copy_ of a broadcasting Partial source into a Partial destination, forward and backward
+        for op in ("sum", "avg", "max", "min"):
+            src_local = _partial_terms(B, rank, world, op).requires_grad_()
+            src = dt.DTensor.from_local(src_local, m, [Partial(op)])
+            dst = dt.DTensor.from_local(_partial_terms(A, rank, world, op), m, [Partial(op)])
+            dst.copy_(src)
+            assert dst.placements == (Partial(op),), (name, op, dst.placements)
+            _close(dst.full_tensor(), B.expand(3, 4), f"{name} copy_ P({op}) <- P({op}) broadcast")
+            if op == "sum":
+                (dst.full_tensor() * W).sum().backward()
+                _close(src_local.grad, W.sum(0), f"{name} copy_ P(sum) grad")
+        # a replicated source into a Partial(sum) destination
+        dst = dt.DTensor.from_local(_partial_terms(A, rank, world, "sum"), m, [Partial("sum")])
+        dst.copy_(dt.distribute_tensor(B, m, [Replicate()]))
+        _close(dst.full_tensor(), B.expand(3, 4), f"{name} copy_ P(sum) <- R")
+        if name == "dtshard":  # exact: the source whole on rank 0, zeros elsewhere (PyTorch: B / n)
+            _close(dst.to_local(), B.expand(3, 4) * (rank == 0), "copy_ P(sum) <- R terms")
+        # fill_: avg, max and min hold the value on every rank in both packages
+        for op in ("avg", "max", "min"):
+            x = dt.DTensor.from_local(_partial_terms(A, rank, world, op), m, [Partial(op)])
+            x.fill_(3.0)
+            assert x.placements == (Partial(op),)
+            _close(x.full_tensor(), torch.full((3, 4), 3.0), f"{name} fill_ P({op})")
+        # fill_ of Partial(sum): PyTorch's DTensor fills every rank, so the value becomes n * 3
+        x = dt.DTensor.from_local(_partial_terms(A, rank, world, "sum"), m, [Partial("sum")])
+        x.fill_(3.0)
+        out[(name, "fill_ P(sum)")] = (str(x.placements), x.full_tensor()[0, 0].item())
+    # dtshard: exact fills of sum and product partials (value on one rank, zeros / ones elsewhere)
+    for op, value in (("sum", 3.0), ("product", -2.0), ("sum", torch.tensor(1.5))):
+        x = dtshard.DTensor.from_local(_partial_terms(A, rank, world, op), m, [Partial(op)])
+        with CommCounter() as cc:
+            x.fill_(value)
+        assert cc.count() == 0, cc.summary()
+        assert x.placements == (Partial(op),)
+        _close(x.full_tensor(), torch.full((3, 4), float(value)), f"fill_ P({op}) {value}")
+    for p in (Shard(0), Replicate()):  # other layouts: unchanged (planned fill_)
+        x = dtshard.distribute_tensor(A, m, [p])
+        x.fill_(2.0)
+        assert x.placements == (p,)
+        _close(x.full_tensor(), torch.full((3, 4), 2.0), f"fill_ {p}")
+    # a conversion that does not commute with the sum (float terms 0.75 + 0.75 -> int) is never
+    # applied term by term: refused (what to do is in the message) or exact, never int(0.75) * 2
+    dst = dtshard.DTensor.from_local(torch.zeros(4, dtype=torch.int64), m, [Partial("sum")])
+    src = dtshard.DTensor.from_local(torch.full((4,), 1.5 / world), m, [Partial("sum")])
+    try:
+        dst.copy_(src)
+        assert dst.full_tensor().tolist() == [1] * 4, dst.full_tensor()
+        out["int copy_"] = "exact"
+    except RuntimeError as e:
+        assert "Redistribute the tensor first" in str(e), e
+        out["int copy_"] = "refused"
+    return out
+
+
+def test_inplace_on_partial():
+    """copy_ of a broadcasting (or replicated) source into a Partial destination, as in PyTorch's
+    DTensor, forward and backward; fill_ on Partial(avg/max/min) as in PyTorch; fill_ on
+    Partial(sum/product) exact (PyTorch's DTensor gives n * value for sum)."""
+    for out in run_distributed(_inplace_partial_worker, 2, 2):
+        assert out[("dtshard", "fill_ P(sum)")] == ("(Partial(sum),)", 3.0), out
+        assert out["int copy_"] == "refused", out
+
+
+# ---------------------------------------------------------------------------------------------
+# Item 15: views of a dim smaller than the mesh
+# ---------------------------------------------------------------------------------------------
+
+def _view_cases():
+    """Views of x (1, 4, 6) Shard(0) on 4 ranks (one rank holds the row, three hold empty shards)
+    that keep the size-1 dim as a dim of the view; PyTorch's DTensor runs each as a view."""
+    return [
+        ("view(1, 24)", lambda x: x.view(1, 24)),
+        ("view(1, 2, 2, 6)", lambda x: x.view(1, 2, 2, 6)),
+        ("view(1, 1, 24)", lambda x: x.view(1, 1, 24)),
+        ("view(1, 24, 1)", lambda x: x.view(1, 24, 1)),
+        ("reshape(1, 3, 8)", lambda x: x.reshape(1, 3, 8)),
+        ("reshape(1, -1)", lambda x: x.reshape(1, -1)),
+        ("flatten(1)", lambda x: x.flatten(1)),
+        ("flatten(-2)", lambda x: x.flatten(-2)),
+        ("unsqueeze(0)", lambda x: x.unsqueeze(0)),
+        ("unsqueeze(1)", lambda x: x.unsqueeze(1)),
+        ("unsqueeze(-1)", lambda x: x.unsqueeze(-1)),
+        ("transpose(0, 2)", lambda x: x.transpose(0, 2)),
+        ("view_as_complex of a pair view", lambda x: torch.view_as_complex(x.view(1, 4, 3, 2))),
+    ]
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    sa, sb = a.untyped_storage(), b.untyped_storage()
+    return sa.data_ptr() == sb.data_ptr() and sa._cdata == sb._cdata  # one storage object, not a copy
+
+
+def _small_dim_views_worker(world):
+    m = _mesh((world,))
+    g = torch.Generator().manual_seed(6)
+    X = torch.randn(1, 4, 6, generator=g)
+    out = {}
+    for name, dt, _ in _libs():
+        for case, f in _view_cases():
+            x = dt.distribute_tensor(X, m, [Shard(0)]).requires_grad_()
+            x0 = X.clone().requires_grad_()
+            with CommCounter() as cc:
+                y = f(x)
+            y0 = f(x0)
+            what = f"{name} {case}"
+            aliases = _same_storage(y._local_tensor, x._local_tensor)
+            if name == "dtshard":
+                assert aliases, what + ": the local result is a copy"
+                assert cc.count() == 0, what + ": " + cc.summary()
+            _close(_real(y).full_tensor(), _real(y0).detach(), what)
+            w = torch.randn(_real(y0).shape, generator=g)
+            (_real(y) * dt.distribute_tensor(w, m, [Replicate()])).sum().backward()
+            (_real(y0) * w).sum().backward()
+            _close(x.grad.full_tensor(), x0.grad, what + " grad")
+            out[(name, case)] = (str(y.placements), aliases)
+        # writes through the view reach the base (it is a view, not a copy)
+        x = dt.distribute_tensor(X, m, [Shard(0)])
+        x.view(1, 24).mul_(2)
+        _close(x.full_tensor(), X * 2, f"{name} write through view(1, 24)")
+    return out
+
+
+def test_views_of_a_dim_smaller_than_the_mesh():
+    """Shard(0) of size 1 on 4 ranks: view / reshape / flatten / unsqueeze / transpose that keep
+    the size-1 dim stay views (no collective, the local result shares the shard's storage, writes
+    reach the base), with PyTorch's DTensor's placements, forward and backward."""
+    for out in run_distributed(_small_dim_views_worker, 4, 4):
+        for case, _ in _view_cases():
+            if case.startswith("view_as_complex"):
+                # PyTorch's DTensor gathers here (Replicate, a copy); dtshard keeps the view
+                assert out[("dtshard", case)] == ("(Shard(dim=0),)", True), out[("dtshard", case)]
+                continue
+            assert out[("dtshard", case)] == out[("torch", case)], (case, out[("dtshard", case)], out[("torch", case)])
