@@ -258,6 +258,8 @@ def _complex_worker(world):
                     got = fn(*args)
                     assert got.is_conj() == want.is_conj() and got.is_neg() == want.is_neg(), what
                     _close(_real(got).full_tensor(), _real(want).detach(), what)
+                    # gathering a conj / neg view gathers its values
+                    _close(_real(got.full_tensor()), _real(want).detach(), what + " full_tensor")
                     (_real(got) ** 2).sum().backward()
                 except Exception as e:
                     raise AssertionError(what) from e
