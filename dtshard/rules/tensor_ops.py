@@ -77,8 +77,19 @@ def copy_rule(call: OpCall):
         sd = d - (dst.ndim - src.ndim)
         sp = Shard(sd) if sd >= 0 and src.shape[sd] == dst.shape[d] else R
         strategies.append(((Shard(d),), (Shard(d), sp)))
-    strategies += [((p,), (p, p)) for p in _conversion_partials(src.dtype, dst.dtype)]
+    strategies += [((p,), (p, p)) for p in _copy_partials(src.dtype, dst.dtype)]
     return strategies
+
+
+def _copy_partials(src_dtype, dst_dtype) -> tuple:
+    """Partials a (converting) copy keeps: those the conversion commutes with, and between two
+    floating (or two complex) types also a narrowing one, which rounds each term instead of the
+    reduced value (a rounding-level difference; ``.to()`` reduces first because it can, but an
+    in-place copy_ into a Partial has no other plan).  Never a truncation to an integer."""
+    partials = _conversion_partials(src_dtype, dst_dtype)
+    if (src_dtype.is_floating_point and dst_dtype.is_floating_point) or (src_dtype.is_complex and dst_dtype.is_complex):
+        partials = tuple(dict.fromkeys(partials + _PARTIALS))
+    return partials
 
 
 def _any_input_to_replicate(x):

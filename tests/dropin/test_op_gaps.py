@@ -398,6 +398,7 @@ def _product_worker(world):
     pr = r.redistribute(m, [Partial("product")])
     _close(pr.to_local(), want if rank == 0 else torch.ones_like(want), "R -> P(product) terms")
     _close(pr.full_tensor(), want, "R -> P(product) -> R")
+    _close(dtshard.distribute_tensor(want, m, [Partial("product")]).full_tensor(), want, "distribute P(product)")
     p = dtshard.DTensor.from_local(terms[rank], m, [Partial("product")])
     with CommCounter() as cc:
         p.redistribute(m, [Replicate()])
@@ -520,6 +521,12 @@ def _inplace_partial_worker(world):
         _close(x.full_tensor(), torch.full((3, 4), 2.0), f"fill_ {p}")
     # a conversion that does not commute with the sum (float terms 0.75 + 0.75 -> int) is never
     # applied term by term: refused (what to do is in the message) or exact, never int(0.75) * 2
+    # between floating types a narrowing copy_ keeps the Partial (each term rounds: a rounding-level
+    # difference, as torch.Tensor.copy_ of the reduced value would round it)
+    dst = dtshard.DTensor.from_local(torch.zeros(3, 4, dtype=torch.bfloat16), m, [Partial("sum")])
+    dst.copy_(dtshard.DTensor.from_local(_partial_terms(A, rank, world, "sum"), m, [Partial("sum")]))
+    assert dst.placements == (Partial("sum"),) and dst.dtype == torch.bfloat16
+    _close(dst.full_tensor().float(), A, "copy_ float32 P(sum) -> bfloat16 P(sum)")
     dst = dtshard.DTensor.from_local(torch.zeros(4, dtype=torch.int64), m, [Partial("sum")])
     src = dtshard.DTensor.from_local(torch.full((4,), 1.5 / world), m, [Partial("sum")])
     try:
