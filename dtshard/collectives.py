@@ -39,7 +39,10 @@ __all__ = [
 ]
 
 _fc = torch.ops._c10d_functional
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+# Partial reduce op -> the ProcessGroup's ReduceOp for the eager path ("avg" goes through the
+# functional collectives, which average; "product" is PRODUCT: gloo and NCCL reduce with it)
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+               "product": dist.ReduceOp.PRODUCT}
 
 from dtshard import _trace
 from dtshard._trace import comm_observers as _observers

@@ -14,7 +14,7 @@ import torch
 
 from dtshard import _trace
 from dtshard import registry
-from dtshard.propagate import Plan, _Slot, propagate
+from dtshard.propagate import Plan, _Slot, lookup, propagate
 from dtshard.redistribute import redistribute_local
 from dtshard.spec import placements_str
 
@@ -174,13 +174,11 @@ def dispatch(op, args: tuple, kwargs: dict):
         if plan.inplace_view:
             _set_wrapper_metadata(op, args, kwargs, plan)
         return args[0]
-    if type(out) is torch.Tensor:
-        res = DT(out, plan.out_specs[0], requires_grad=False)
-    else:
-        res = _wrap(out, iter(plan.out_specs), DT)
     if plan.is_view:
-        _note_view(op, plan, dts[0], res)
-    return res
+        return _wrap_view(op, plan, dts[0], out)
+    if type(out) is torch.Tensor:
+        return DT(out, plan.out_specs[0], requires_grad=False)
+    return _wrap(out, iter(plan.out_specs), DT)
 
 
 def _note_view(op, plan, base, res) -> None:
@@ -245,6 +243,11 @@ def _dispatch_general(op, args: tuple, kwargs: dict):
         tkey, plan = None, None
     specs = [d._spec for d in dts]
     if plan is None:
+        if _decomposes(op):
+            # from now on the dispatcher's first lookup sends this op straight to its decomposition
+            # (clear_cache, run on every registration change, forgets this: a rule added later wins)
+            _handlers[id(op)] = _decompose
+            return _decompose(op, args, kwargs)
         _stats["misses"] += 1
         plan = propagate(op, args, kwargs, specs, margs, mkwargs)
         if tkey is not None:
@@ -282,10 +285,46 @@ def _dispatch_general(op, args: tuple, kwargs: dict):
         out_names = [a.name for a in op._schema.arguments if a.is_out]
         res = tuple(kwargs[n] for n in out_names)
         return res[0] if len(res) == 1 else res
-    res = _wrap(out, iter(plan.out_specs), DT)
     if plan.is_view:
-        _note_view(op, plan, dts[0], res)
+        return _wrap_view(op, plan, dts[0], out)
+    return _wrap(out, iter(plan.out_specs), DT)
+
+
+def _wrap_view(op, plan, base, out):
+    """Wrap the local result of a view op.  Under ``torch.inference_mode()`` a view of a normal
+    tensor is a normal tensor in PyTorch (autograd's view tracking then sets its version counter to
+    the base's, which raises for an inference tensor), so the wrapper of a view of a normal
+    DTensor is made outside inference mode: ``w.t()`` of a parameter works as on a plain tensor."""
+    if torch.is_inference_mode_enabled() and not base.is_inference():
+        with torch.inference_mode(False):
+            res = _wrap(out, iter(plan.out_specs), _DT)
+    else:
+        res = _wrap(out, iter(plan.out_specs), _DT)
+    _note_view(op, plan, base, res)
     return res
+
+
+def _decomposes(op) -> bool:
+    """Should ``op`` run as its CompositeImplicitAutograd decomposition?  True for an op that has
+    no rule of its own but has such a kernel.
+
+    Normally autograd decomposes these ops (``linear``, ``matmul``, ``softmax``, ``reshape``, ...)
+    before ``__torch_dispatch__`` sees them.  Under ``torch.inference_mode()`` the Autograd keys
+    are skipped, so they arrive here undecomposed; PyTorch's DTensor then decomposes them itself,
+    and so do we (a rule registered for one, e.g. ``linear`` in rules/matmul.py, takes precedence:
+    one dispatch instead of several)."""
+    if lookup(op)[0] is not None:
+        return False
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+    except Exception:  # noqa: BLE001 - not an aten-registered op
+        return False
+
+
+def _decompose(op, args: tuple, kwargs: dict):
+    """Run ``op``'s C++ CompositeImplicitAutograd kernel on the DTensor arguments: each op it
+    calls dispatches to dtshard again (exactly the ops PyTorch would run outside inference mode)."""
+    return op.decompose(*args, **kwargs)
 
 
 def _set_wrapper_metadata(op, args: tuple, kwargs: dict, plan: Plan) -> None:

@@ -160,8 +160,11 @@ def _functional_of(op: torch._ops.OpOverload):
 
 
 def lookup(op) -> tuple[RuleEntry | None, str]:
+    """The rule that plans ``op`` and the mode (functional / inplace / out).  A handler is not a
+    rule: an in-place op with a handler that hands some calls back to the planner (fill_ of a
+    non-Partial tensor) is planned from its functional op's rule."""
     entry = get_entry(op)
-    if entry is not None:
+    if entry is not None and entry.kind == "rule":
         return entry, "functional" if not op._schema.is_mutable else _functional_of(op)[1]
     base, mode = _functional_of(op)
     if base is not op:

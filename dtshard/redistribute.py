@@ -517,6 +517,8 @@ def _reduce_by_all_to_all(x, spec, group, op, d, sizes, me):
     if op in ("sum", "avg"):
         out = terms.sum(0)
         return out / n if op == "avg" else out
+    if op == "product":
+        return terms.prod(0, dtype=terms.dtype)
     return terms.amax(0) if op == "max" else terms.amin(0)
 
 
@@ -575,9 +577,12 @@ def _run_step(x: torch.Tensor, spec: DTensorSpec, state: list, step: Step, coord
         return _slice(x, spec, i, coord[i], dst.dim)
     if kind == "zero":
         # R -> P: reduce(locals) must equal the value. For sum only one rank keeps it (exact,
-        # also for integers); avg, max and min keep it everywhere.
+        # also for integers), the others hold zeros; for product likewise, the others hold ones;
+        # avg, max and min keep it everywhere.
         if dst.reduce_op == "sum" and coord[i] != 0:
             return torch.zeros_like(x)
+        if dst.reduce_op == "product" and coord[i] != 0:
+            return torch.ones_like(x)
         return x
     raise AssertionError(f"unknown step kind {kind}")
 

@@ -279,6 +279,12 @@ def _itemsize(dtype: torch.dtype) -> int:
     return size
 
 
+#: The reduce ops of ``Partial`` that dtshard supports: PyTorch's ``Partial.ALL_REDUCE_OPS`` minus
+#: the bitwise ones.  The names are PyTorch's (``"product"``; ``Partial("prod")`` fails in PyTorch
+#: too, when reduced).
+REDUCE_OPS = ("sum", "avg", "max", "min", "product")
+
+
 def normalize_placements(placements: Sequence[Placement], ndim: int, mesh_ndim: int, *, what: str) -> tuple[Placement, ...]:
     """Validate user placements (count, types, dims) and normalise negative shard dims."""
     placements = tuple(placements)
@@ -298,14 +304,24 @@ def normalize_placements(placements: Sequence[Placement], ndim: int, mesh_ndim: 
                 )
             out.append(Shard(d % ndim) if d < 0 else p)
         elif isinstance(p, Partial):
-            if p.reduce_op not in ("sum", "avg", "max", "min"):
+            if p.reduce_op not in REDUCE_OPS:
+                hint = " (PyTorch spells it 'product')" if p.reduce_op == "prod" else ""
                 raise ValueError(
-                    f"{what}: Partial({p.reduce_op!r}) is not supported; dtshard supports "
-                    "Partial('sum'), Partial('avg'), Partial('max') and Partial('min')."
+                    f"{what}: Partial({p.reduce_op!r}) is not supported{hint}; dtshard supports "
+                    "Partial('sum'), Partial('avg'), Partial('max'), Partial('min') and Partial('product')."
                 )
             out.append(p)
         elif isinstance(p, Replicate):
             out.append(p)
         else:
             raise TypeError(f"{what}: unsupported placement {p!r}; use Shard(d), Replicate() or Partial(op).")
+    ops = {p.reduce_op for p in out if isinstance(p, Partial)}
+    if "product" in ops and len(ops) > 1:
+        # a product of sums is not a sum of products: the value would depend on the order in which
+        # the mesh dims are reduced (PyTorch rejects mixed Partial types for the same reason)
+        raise ValueError(
+            f"{what}: placements {placements_str(out)} mix Partial('product') with "
+            f"{sorted(ops - {'product'})}; the reduction order would decide the value. Reduce one of "
+            "them first (x.redistribute(mesh, placements) with Replicate() on those mesh dims)."
+        )
     return tuple(out)

@@ -146,6 +146,13 @@ class DTensor(torch.Tensor):
         )
         r._local_tensor = local_tensor
         r._spec = spec
+        # the lazy conjugate / negative bits live on the tensor, not in the storage: the wrapper
+        # carries its shard's (as PyTorch's DTensor does), so PyTorch's Conjugate and Negative
+        # fallbacks see them (they run before __torch_dispatch__: conj().mul(...) is resolved first)
+        if local_tensor.is_conj():
+            torch._C._set_conj(r, True)
+        if local_tensor.is_neg():
+            torch._C._set_neg(r, True)
         if requires_grad:  # a new leaf (distribute_tensor(..., requires_grad=True), ...)
             _install_grad_hooks(r)
         return r

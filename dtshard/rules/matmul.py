@@ -1,4 +1,5 @@
-"""Matrix products: mm, bmm, addmm, baddbmm, dot, mv (linear/matmul decompose into these).
+"""Matrix products: mm, bmm, addmm, baddbmm, dot, mv (linear/matmul decompose into these), and
+linear/matmul themselves for inference mode, where they arrive undecomposed.
 
 Each is an einsum: shard a kept index, or shard the contracted index for a Partial(sum) output.
 The additive ``input`` of addmm/baddbmm follows the output placement through broadcasting (a
@@ -8,9 +9,11 @@ Partial output takes the bias as Partial: one rank adds it, which is exact).
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor.placement_types import Partial, Shard
 
 from dtshard.registry import OpCall, register_rule
-from dtshard.rules._common import broadcast_shape, contiguous_strides, einsum_strategies, follow_output
+from dtshard.rules._common import (LINEAR_REDUCE_OPS, R, broadcast_shape, contiguous_strides, einsum_strategies,
+                                   follow_output)
 from dtshard.spec import TensorMeta
 
 aten = torch.ops.aten
@@ -107,3 +110,74 @@ def addr_rule(call: OpCall):
 @register_rule(aten.addbmm.default)
 def addbmm_rule(call: OpCall):
     return _with_addend("bmk,bkn->mn", call)
+
+
+# ---------------------------------------------------------------------------------------------
+# linear and matmul: CompositeImplicitAutograd ops, which reach dtshard undecomposed only under
+# torch.inference_mode() (autograd decomposes them otherwise).  Without these rules the dispatcher
+# would run their decompositions (dispatch._decompose: t + addmm, or views + mm + _unsafe_view),
+# which is correct too; one rule is one dispatch instead of several.
+# ---------------------------------------------------------------------------------------------
+
+_LETTERS = "abcdefghijlopqrstuvwxyz"  # batch dims; m, k, n are the matrix dims
+
+
+def _indexed_strategies(inputs, out: str) -> list:
+    """The strategies of an einsum-like product whose inputs carry ``None`` for a dim that
+    broadcasts (size 1 against a larger output size): such a dim is never sharded, and an input
+    without a kept letter is replicated.  Otherwise as :func:`einsum_strategies`: a kept letter
+    sharded wherever it appears, a contracted letter (``k``) sharded in both for Partial(sum),
+    and, the product being linear in each input, one Partial input with the others replicated."""
+    letters = dict.fromkeys(c for s in inputs for c in s if c is not None)
+    strategies = []
+    for c in letters:
+        ins = tuple(Shard(s.index(c)) if c in s else R for s in inputs)
+        if c in out:
+            strategies.append(((Shard(out.index(c)),), ins))
+        elif all(c in s for s in inputs):
+            strategies.append(((Partial("sum"),), ins))
+    for j in range(len(inputs)):
+        for op in LINEAR_REDUCE_OPS:
+            strategies.append(((Partial(op),), tuple(Partial(op) if i == j else R for i in range(len(inputs)))))
+    return strategies
+
+
+def _batch_letters(shape, out_batch) -> list:
+    """Letters of ``shape``'s batch dims aligned from the right with the output's batch dims
+    ``out_batch`` (a list of (letter, size)); a broadcasting size-1 dim gets ``None``."""
+    off = len(out_batch) - len(shape)
+    return [None if s == 1 and out_batch[off + i][1] != 1 else out_batch[off + i][0] for i, s in enumerate(shape)]
+
+
+@register_rule(aten.matmul.default)
+def matmul_rule(call: OpCall):
+    a, b = call.tensors
+    if a.ndim == 0 or b.ndim == 0:
+        return []  # matmul rejects 0-d operands (its meta kernel raises first)
+    # the matrix dims: a 1-D operand is a vector (its dim is the contracted k)
+    ma = "k" if a.ndim == 1 else "mk"
+    mb = "k" if b.ndim == 1 else "kn"
+    out_mat = ma.replace("k", "") + mb.replace("k", "")
+    ba, bb = a.shape[:a.ndim - len(ma)], b.shape[:b.ndim - len(mb)]
+    batch = broadcast_shape(ba, bb)
+    out_batch = list(zip(_LETTERS, batch))
+    la = _batch_letters(ba, out_batch) + list(ma)
+    lb = _batch_letters(bb, out_batch) + list(mb)
+    return _indexed_strategies([la, lb], "".join(c for c, _ in out_batch) + out_mat)
+
+
+@register_rule(aten.linear.default)
+def linear_rule(call: OpCall):
+    x, w = call.tensors[0], call.tensors[1]
+    if x.ndim == 0 or w.ndim not in (1, 2):
+        return []
+    lx = list(_LETTERS[:x.ndim - 1]) + ["k"]
+    lw = ["n", "k"] if w.ndim == 2 else ["k"]  # a 1-D weight contracts the input's last dim away
+    out = "".join(lx[:-1]) + ("n" if w.ndim == 2 else "")
+    strategies = _indexed_strategies([lx, lw], out)
+    if len(call.tensors) == 2:
+        return strategies
+    bias = call.tensors[2]
+    out_shape = broadcast_shape(bias.shape, tuple(x.shape[:-1]) + tuple(w.shape[:1] if w.ndim == 2 else ()))
+    # the bias follows the output (a Partial output takes it as Partial: exact, see addmm)
+    return [(outs, ins + (follow_output(bias, out_shape, outs[0]),)) for outs, ins in strategies]

@@ -48,6 +48,8 @@ _LINEAR_IN = {
     aten.hardshrink_backward.default: (0,),
 }
 _LINEAR_JOINT.add(aten.rsub.Tensor)
+# complex(re, im) is linear in (re, im) jointly: the complex numbers of the partial terms add up
+_LINEAR_JOINT.add(aten.complex.default)
 
 
 def _dtensor_positions(call: OpCall) -> dict[int, int]:
@@ -148,6 +150,8 @@ _EXTRA = [
     aten.gelu_backward.default,
     aten.hardtanh_backward.default,
     aten.leaky_relu_backward.default,
+    aten.complex.default,  # complex(re, im) and polar(abs, angle): elementwise, broadcasting
+    aten.polar.default,
 ]
 
 # Tagged pointwise but owned by another family (which also passes Partial through).

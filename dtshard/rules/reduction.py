@@ -167,15 +167,26 @@ def _keep_only(x, dims, keepdim: bool, n_out: int = 1):
     return strategies
 
 
+# A product over a sharded dim is the product of the ranks' partial products: Partial("product")
+# (an empty shard's product is 1, the neutral term).  The product of a Partial("product") input
+# is one too (the terms' products multiply up).  Only "product": a product of partial sums, maxima
+# or averages is not a partial term of anything.
+_PRODUCT = Partial("product")
+
+
 @register_rule(aten.prod.default)
 def prod_rule(call: OpCall):
-    return []  # a whole-tensor product: replicate (no Partial(product) placement)
+    x = call.tensors[0]
+    return [((_PRODUCT,), (Shard(d),)) for d in range(x.ndim)] + [((_PRODUCT,), (_PRODUCT,))]
 
 
 @register_rule(aten.prod.dim_int)
 def prod_dim_rule(call: OpCall):
     x = call.tensors[0]
-    return _keep_only(x, _dims_arg(call, x), bool(call.arg(2, "keepdim", False)))
+    dims = _dims_arg(call, x)
+    strategies = _keep_only(x, dims, bool(call.arg(2, "keepdim", False)))
+    strategies += [((_PRODUCT,), (Shard(d),)) for d in dims if d < x.ndim]
+    return strategies + [((_PRODUCT,), (_PRODUCT,))]
 
 
 @register_rule([aten.argmax.default, aten.argmin.default])

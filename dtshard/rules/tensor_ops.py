@@ -15,9 +15,13 @@ from dtshard.rules._common import R
 
 aten = torch.ops.aten
 _PARTIALS = (Partial("sum"), Partial("avg"), Partial("max"), Partial("min"))
+#: also Partial("product"): for ops that keep every term's value (clone, copy, same-dtype _to_copy)
+#: or make it zero (0 is a valid term of every reduction).  Not for dtype conversions: rounding
+#: each factor is not rounding the product.
+_ALL_PARTIALS = _PARTIALS + (Partial("product"),)
 
 
-def _same_layout(x, partials=_PARTIALS, n_in: int = 1):
+def _same_layout(x, partials=_ALL_PARTIALS, n_in: int = 1):
     strategies = [((Shard(d),), (Shard(d),) * n_in) for d in range(x.ndim)]
     strategies += [((p,), (p,) * n_in) for p in partials]
     return strategies
@@ -31,29 +35,39 @@ def identity_rule(call: OpCall):
 
 @register_rule(aten._to_copy.default)
 def to_copy_rule(call: OpCall):
-    # A dtype conversion commutes with a Partial reduction only sometimes: converting partial sums
-    # to an integer or bool type truncates each term (int(0.6) + int(0.6) != int(1.2)); max/min
-    # commute with monotone conversions (float <-> int truncation), not with bool.
     x = call.tensors[0]
     dtype = call.kwargs.get("dtype")
-    if dtype is None or dtype == x.dtype:
-        return _same_layout(x)
+    return _same_layout(x, partials=_conversion_partials(x.dtype, dtype))
+
+
+def _conversion_partials(src_dtype, dtype) -> tuple:
+    """The Partials that survive converting each term from ``src_dtype`` to ``dtype``.
+
+    A dtype conversion commutes with a Partial reduction only sometimes: converting partial sums
+    to an integer or bool type truncates each term (int(0.6) + int(0.6) != int(1.2)); max/min
+    commute with monotone conversions (float <-> int truncation), not with bool."""
+    if dtype is None or dtype == src_dtype:
+        return _ALL_PARTIALS
     partials = []
     if dtype.is_floating_point or dtype.is_complex:
-        if x.dtype.is_floating_point or x.dtype.is_complex:
-            partials = list(_PARTIALS) if not dtype.is_complex or x.dtype.is_complex else [Partial("sum"), Partial("avg")]
-            if dtype.itemsize < x.dtype.itemsize:  # narrowing: reduce the terms in the wider type first
+        if src_dtype.is_floating_point or src_dtype.is_complex:
+            partials = list(_PARTIALS) if not dtype.is_complex or src_dtype.is_complex else [Partial("sum"), Partial("avg")]
+            if dtype.itemsize < src_dtype.itemsize:  # narrowing: reduce the terms in the wider type first
                 partials = [p for p in partials if p.reduce_op in ("max", "min")]
         else:  # int -> float: exact for the small integers a Partial(sum) of ints holds
             partials = list(_PARTIALS)
-    elif dtype != torch.bool and not (x.dtype.is_complex):
-        partials = [Partial("max"), Partial("min")] if x.dtype.is_floating_point else list(_PARTIALS)
-    return _same_layout(x, partials=tuple(partials))
+    elif dtype != torch.bool and not src_dtype.is_complex:
+        partials = [Partial("max"), Partial("min")] if src_dtype.is_floating_point else list(_PARTIALS)
+    return tuple(partials)
 
 
 @register_rule(aten.copy.default)
 def copy_rule(call: OpCall):
-    # copy(self, src): src's values in self's shape (src broadcasts); in-place copy_ derives from it
+    # copy(self, src): src's values in self's shape (src broadcasts); in-place copy_ derives from it.
+    # A Partial src gives a Partial result of the same op whatever the shapes (each term is
+    # broadcast and converted on its own: the conversion must commute with the reduction), so
+    # copy_ into a Partial self takes src as that Partial: a replicated src is then kept whole on
+    # one rank (zeros, or ones for a product, on the others) or everywhere (avg, max, min).
     dst = call.tensors[0]
     if len(call.tensors) == 1:  # src is a plain 0-d tensor: the same value on every shard
         return [((Shard(d),), (Shard(d),)) for d in range(dst.ndim)]
@@ -63,14 +77,24 @@ def copy_rule(call: OpCall):
         sd = d - (dst.ndim - src.ndim)
         sp = Shard(sd) if sd >= 0 and src.shape[sd] == dst.shape[d] else R
         strategies.append(((Shard(d),), (Shard(d), sp)))
-    if src.shape == dst.shape:
-        strategies += [((p,), (p, p)) for p in _PARTIALS]
+    strategies += [((p,), (p, p)) for p in _copy_partials(src.dtype, dst.dtype)]
     return strategies
+
+
+def _copy_partials(src_dtype, dst_dtype) -> tuple:
+    """Partials a (converting) copy keeps: those the conversion commutes with, and between two
+    floating (or two complex) types also a narrowing one, which rounds each term instead of the
+    reduced value (a rounding-level difference; ``.to()`` reduces first because it can, but an
+    in-place copy_ into a Partial has no other plan).  Never a truncation to an integer."""
+    partials = _conversion_partials(src_dtype, dst_dtype)
+    if (src_dtype.is_floating_point and dst_dtype.is_floating_point) or (src_dtype.is_complex and dst_dtype.is_complex):
+        partials = tuple(dict.fromkeys(partials + _PARTIALS))
+    return partials
 
 
 def _any_input_to_replicate(x):
     """(R out, p in) for every placement p: for results that never read the input's values."""
-    inputs = [Shard(d) for d in range(x.ndim)] + [Replicate(), *_PARTIALS]
+    inputs = [Shard(d) for d in range(x.ndim)] + [Replicate(), *_ALL_PARTIALS]
     return [((R,), (p,)) for p in inputs]
 
 
@@ -89,8 +113,32 @@ def filled_like_rule(call: OpCall):
 
 @register_rule(aten.fill.Scalar)
 def fill_rule(call: OpCall):
-    # fill_ (derived in-place) must keep self's layout: a fill of a Partial(sum) is not a fill
-    return _same_layout(call.tensors[0], partials=(Partial("max"), Partial("min")))
+    # the value on every rank is a valid avg/max/min term of the value; a valid sum or product
+    # term only on one rank (fill_ of those goes through fill_inplace_handler)
+    return _same_layout(call.tensors[0], partials=(Partial("avg"), Partial("max"), Partial("min")))
+
+
+def _summing(p) -> bool:
+    return isinstance(p, Partial) and p.reduce_op in ("sum", "product")
+
+
+@register_handler([aten.fill_.Scalar, aten.fill_.Tensor])
+def fill_inplace_handler(op, args, kwargs):
+    """``x.fill_(v)`` on a Partial(sum) or Partial(product) ``x``: every rank filling ``v`` would
+    make the value ``n * v`` (``v ** n``), which is what PyTorch's DTensor gives.  Instead ``v``
+    is copied in as a replicated tensor: ``copy_`` keeps it whole on one rank and zeros (ones) on
+    the others, so ``x`` stays Partial and holds ``v`` exactly.  Other layouts: the plain plan."""
+    self = args[0]
+    value = args[1] if len(args) > 1 else kwargs["value"]
+    if not any(_summing(p) for p in self._spec.placements):
+        from dtshard.dispatch import _dispatch_general  # the planned path (handlers skipped)
+
+        return _dispatch_general(op, args, kwargs)
+    if isinstance(value, torch.Tensor) and type(value) is not torch.Tensor:
+        return self.copy_(value)  # a DTensor value: copy_ plans it (0-d: it broadcasts)
+    if isinstance(value, torch.Tensor):
+        value = value.item()  # a plain 0-d tensor: the same number on every rank
+    return self.copy_(self.new_full((), value))
 
 
 @register_rule([aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default,
@@ -104,7 +152,7 @@ def new_factory_rule(call: OpCall):
         strategies += [((Shard(d),), (Shard(d),)) for d in range(x.ndim)]
         if call.op in (aten.new_empty.default, aten.new_empty_strided.default, aten.new_zeros.default):
             # uninitialised or zero values are valid partial terms
-            strategies += [((p,), (p,)) for p in _PARTIALS]
+            strategies += [((p,), (p,)) for p in _ALL_PARTIALS]
     return strategies
 
 

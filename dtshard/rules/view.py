@@ -17,7 +17,9 @@ from dtshard.registry import OpCall, register_handler, register_rule
 from dtshard.rules._common import R, norm_dim
 
 aten = torch.ops.aten
-_PARTIALS = (Partial("sum"), Partial("avg"), Partial("max"), Partial("min"))
+# views and rearrangements move elements (or fill zeros: a valid term of every reduction, 0 being
+# absorbing for product), so every Partial passes through them
+_PARTIALS = (Partial("sum"), Partial("avg"), Partial("max"), Partial("min"), Partial("product"))
 
 
 def _partials(n_in: int = 1, n_out: int = 1):
@@ -86,6 +88,11 @@ def view_rule(call: OpCall):
         first_out = next((d for d in outs if out_shape[d] != 1), None)
         if first_in is not None and first_out is not None:
             strategies.append(((Shard(first_out),), (Shard(first_in),)))
+        elif first_in is None and first_out is None and ins and outs:
+            # a group of size-1 dims ((1, 6) -> (1, 2, 3): dim 0 -> dim 0): a size-1 dim sharded
+            # over the mesh (one rank holds it, the others nothing) stays the same layout as a
+            # size-1 dim of the view, so the view keeps aliasing, as in PyTorch
+            strategies.append(((Shard(outs[0]),), (Shard(ins[0]),)))
     return strategies
 
 
@@ -295,3 +302,41 @@ def diagonal_backward_rule(call: OpCall):
     d2 = norm_dim(call.arg(4, "dim2"), nd)
     rest = [d for d in range(nd) if d not in (d1, d2)]
     return _dim_map_strategies(g, {o: d for o, d in enumerate(rest)})
+
+
+# ---------------------------------------------------------------------------------------------
+# complex views: view_as_real / view_as_complex (the real-imaginary pair is a trailing dim of
+# size 2), and the lazy conjugate / negative bits (_conj, _neg_view; conj, resolve_conj and
+# resolve_neg are CompositeImplicitAutograd and decompose into these, clone and copy)
+# ---------------------------------------------------------------------------------------------
+
+# Partial terms that stay valid through a complex view: the views are real-linear (the sum of
+# the terms' real pairs is the pair of the sum), and max/min do not exist for complex values.
+_LINEAR_PARTIALS = (Partial("sum"), Partial("avg"))
+
+
+@register_rule(aten.view_as_real.default)
+def view_as_real_rule(call: OpCall):
+    # (...) complex -> (..., 2) real: every dim keeps its shard; the new pair dim is whole
+    x = call.tensors[0]
+    return _dim_map_strategies(x, {d: d for d in range(x.ndim)}, partial=False) + _partials_of(_LINEAR_PARTIALS)
+
+
+@register_rule(aten.view_as_complex.default)
+def view_as_complex_rule(call: OpCall):
+    # (..., 2) real -> (...) complex: the pair dim disappears, so it is never offered sharded (a
+    # rank would hold half a number); a Shard of it is gathered first
+    x = call.tensors[0]
+    return _dim_map_strategies(x, {d: d for d in range(x.ndim - 1)}, partial=False) + _partials_of(_LINEAR_PARTIALS)
+
+
+@register_rule([aten._conj.default, aten._neg_view.default])
+def conj_view_rule(call: OpCall):
+    # elementwise and real-linear; on real tensors both are order-reversing or the identity, so
+    # only sum/avg are kept (max of -x is -min x: not the same reduce op)
+    x = call.tensors[0]
+    return _dim_map_strategies(x, {d: d for d in range(x.ndim)}, partial=False) + _partials_of(_LINEAR_PARTIALS)
+
+
+def _partials_of(partials, n_in: int = 1, n_out: int = 1):
+    return [((p,) * n_out, (p,) * n_in) for p in partials]

@@ -67,7 +67,7 @@ def _from_local_dtype_disagrees():
 
 
 def _redistribute_illegal_placement():
-    _dt().redistribute(_mesh(), [Partial("product")])
+    _dt().redistribute(_mesh(), [Partial("prod")])  # PyTorch's name is "product" (supported)
 
 
 def _redistribute_dim_out_of_range():
@@ -157,7 +157,7 @@ CASES = {
     "global shape vs local": (_global_shape_mismatch, ValueError, ["(2, 3)", "(7, 3)", "S(0)", "shape="]),
     "ranks disagree (run_check)": (_from_local_ranks_disagree, ValueError, ["rank 0", "rank 1", "(4, 3)"]),
     "dtype disagrees (run_check)": (_from_local_dtype_disagrees, ValueError, ["torch.float64", "rank 0", "rank 1"]),
-    "illegal target placement": (_redistribute_illegal_placement, ValueError, ["product", "not supported"]),
+    "illegal target placement": (_redistribute_illegal_placement, ValueError, ["'prod'", "not supported", "'product'"]),
     "target dim out of range": (_redistribute_dim_out_of_range, ValueError, ["Shard(5)", "2-D tensor"]),
     "redistribute to another mesh": (_redistribute_to_other_mesh, ValueError, ["another mesh"]),
     "op without a rule": (_op_without_rule, NotImplementedError, ["aten.histc.default", "(4, 3) (S(0))", "dtshard/rules/"]),

@@ -53,8 +53,13 @@ def test_placement_validation_messages():
         normalize_placements([Shard(2)], 2, 1, what="distribute_tensor")
     with pytest.raises(ValueError, match="got 1 placements .* for a 2-D mesh"):
         normalize_placements([Shard(0)], 2, 2, what="distribute_tensor")
-    with pytest.raises(ValueError, match="Partial\\('product'\\) is not supported"):
-        normalize_placements([Partial("product")], 2, 1, what="from_local")
+    assert normalize_placements([Partial("product")], 2, 1, what="from_local") == (Partial("product"),)
+    with pytest.raises(ValueError, match="Partial\\('prod'\\) is not supported \\(PyTorch spells it 'product'\\)"):
+        normalize_placements([Partial("prod")], 2, 1, what="from_local")
+    with pytest.raises(ValueError, match="Partial\\('band'\\) is not supported"):
+        normalize_placements([Partial("band")], 2, 1, what="from_local")
+    with pytest.raises(ValueError, match="mix Partial\\('product'\\) with \\['max'\\]"):
+        normalize_placements([Partial("product"), Partial("max")], 2, 2, what="from_local")
     assert normalize_placements([Shard(-1)], 3, 1, what="x") == (Shard(2),)
 
 
