@@ -213,6 +213,8 @@ def _complex_cases():
         # PyTorch's DTensor: polar's backward raises "unhashable type: complex"
         ("polar", torch.polar, [((4, 6), f), ((4, 6), f)], [[S0, S0], [S0, Rp], [Rp, Rp]], False),
         ("complex", torch.complex, [((4, 6), f), ((4, 6), f)], [[S0, S0], [Rp, S1], [Ps, Ps]], True),
+        # its backward is _to_copy(grad.real, dtype=float32, device="cpu"): planned on meta tensors
+        ("to complex128", lambda a: a.to(torch.complex128), [((4, 6), f)], [[S0], [Rp], [Ps]], True),
         ("complex roundtrip", lambda x: torch.view_as_real(torch.view_as_complex(x) * torch.view_as_complex(x).conj()),
          [((4, 6, 2), f)], [[S0], [Rp]], False),  # PyTorch's DTensor: wrong values for S(0)
         # uneven (dtshard only): 5 rows on 2 ranks
