@@ -220,6 +220,10 @@ def _complex_cases():
         # uneven (dtshard only): 5 rows on 2 ranks
         ("view_as_complex uneven", torch.view_as_complex, [((5, 3, 2), f)], [[S0], [S1], [S2]], False),
         ("conj mul uneven", lambda a, b: a.conj() * b, [((5, 3), c), ((5, 3), c)], [[S0, S0], [S0, Rp]], False),
+        # gathering a conj view whose chunks are uneven: only the short chunk is copied into a
+        # padded buffer, so the conj bit must be resolved before any collective (a hang before)
+        ("conj uneven", lambda a: a.conj(), [((5, 3), c)], [[S0], [S1]], False),
+        ("ihfft", torch.fft.ihfft, [((5, 6, 7), f)], [[S0], [S1], [Rp]], False),
     ]
 
 
