@@ -216,9 +216,22 @@ def _redistribute_input(op, dt, target):
     prev = _trace.current_op[0]
     _trace.current_op[0] = str(op)  # CommCounter attributes the traffic to this op
     try:
-        return redistribute_local(dt._local_tensor, dt._spec, target)
+        return redistribute_local(resolved_local(dt), dt._spec, target)
     finally:
         _trace.current_op[0] = prev
+
+
+def resolved_local(dt) -> torch.Tensor:
+    """``dt``'s shard with its lazy conjugate / negative bits applied, for the collectives: they
+    move raw memory (or fail on a conj view, on the ranks whose chunk is not copied into a
+    padded buffer first, while the others enter the collective: a hang), and the bits are not
+    part of the data that travels.  Returns the shard itself when it has no bit."""
+    t = dt._local_tensor
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t
 
 
 def _dispatch_general(op, args: tuple, kwargs: dict):

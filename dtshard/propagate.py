@@ -205,8 +205,13 @@ def _run_meta(op, args, kwargs, tensor_shapes, dtypes, shape_overrides, scalars_
     margs = [conv(a) for a in args]
     for idx, shape in shape_overrides:
         margs[idx] = list(shape)
-    mkwargs = {k: conv(v) for k, v in kwargs.items()}
+    # a target device (``_to_copy(x, device="cpu")``, as autograd's backward of a dtype change
+    # passes it) would copy the meta tensor out: the metadata is the same on the meta device
+    mkwargs = {k: _META if k == "device" and v is not None else conv(v) for k, v in kwargs.items()}
     return op(*margs, **mkwargs)
+
+
+_META = torch.device("meta")
 
 
 class _Slot:

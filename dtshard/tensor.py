@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from dtshard import collectives as C
-from dtshard.dispatch import bind_tensor_class, dispatch
+from dtshard.dispatch import bind_tensor_class, dispatch, resolved_local
 from dtshard.redistribute import redistribute_local
 from dtshard.spec import (DTensorSpec, TensorMeta, global_stride_from_local, mesh_identity, normalize_placements,
                           placements_str)
@@ -310,7 +310,7 @@ class DTensor(torch.Tensor):
             return self
         if not (self.requires_grad and torch.is_grad_enabled()):
             src = self._spec
-            return DTensor(redistribute_local(self._local_tensor, src, placements), src.with_placements(placements),
+            return DTensor(redistribute_local(resolved_local(self), src, placements), src.with_placements(placements),
                            requires_grad=False)
         return _Redistribute.apply(self, placements)
 
@@ -593,7 +593,7 @@ class _Redistribute(torch.autograd.Function):
     def forward(ctx, dt: DTensor, placements):
         src = dt._spec
         ctx.src = src
-        local = redistribute_local(dt._local_tensor, src, placements)
+        local = redistribute_local(resolved_local(dt), src, placements)  # conj / neg bits applied
         return DTensor(local, src.with_placements(placements), requires_grad=dt.requires_grad)
 
     @staticmethod

@@ -213,11 +213,17 @@ def _complex_cases():
         # PyTorch's DTensor: polar's backward raises "unhashable type: complex"
         ("polar", torch.polar, [((4, 6), f), ((4, 6), f)], [[S0, S0], [S0, Rp], [Rp, Rp]], False),
         ("complex", torch.complex, [((4, 6), f), ((4, 6), f)], [[S0, S0], [Rp, S1], [Ps, Ps]], True),
+        # its backward is _to_copy(grad.real, dtype=float32, device="cpu"): planned on meta tensors
+        ("to complex128", lambda a: a.to(torch.complex128), [((4, 6), f)], [[S0], [Rp], [Ps]], True),
         ("complex roundtrip", lambda x: torch.view_as_real(torch.view_as_complex(x) * torch.view_as_complex(x).conj()),
          [((4, 6, 2), f)], [[S0], [Rp]], False),  # PyTorch's DTensor: wrong values for S(0)
         # uneven (dtshard only): 5 rows on 2 ranks
         ("view_as_complex uneven", torch.view_as_complex, [((5, 3, 2), f)], [[S0], [S1], [S2]], False),
         ("conj mul uneven", lambda a, b: a.conj() * b, [((5, 3), c), ((5, 3), c)], [[S0, S0], [S0, Rp]], False),
+        # gathering a conj view whose chunks are uneven: only the short chunk is copied into a
+        # padded buffer, so the conj bit must be resolved before any collective (a hang before)
+        ("conj uneven", lambda a: a.conj(), [((5, 3), c)], [[S0], [S1]], False),
+        ("ihfft", torch.fft.ihfft, [((5, 6, 7), f)], [[S0], [S1], [Rp]], False),
     ]
 
 
