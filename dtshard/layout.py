@@ -21,12 +21,11 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from torch.distributed.tensor.placement_types import Partial, Placement
+from torch.distributed.tensor.placement_types import Placement
 
 from dtshard.spec import local_shape_and_offset
 
-__all__ = ["Box", "rank_box", "box_numel", "group_coords", "ExchangePlan", "exchange_plan", "exchange_costs",
-           "lacking_elements"]
+__all__ = ["Box", "rank_box", "box_numel", "group_coords", "ExchangePlan", "exchange_plan", "exchange_costs"]
 
 Box = tuple[tuple[int, int], ...]  # (start, stop) per tensor dim
 
@@ -34,8 +33,7 @@ Box = tuple[tuple[int, int], ...]  # (start, stop) per tensor dim
 def rank_box(shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement],
              coord: Sequence[int]) -> Box:
     """The global region whose values (or, under Partial, terms) the rank at ``coord`` holds."""
-    ps = [p for p in placements]
-    lshape, offset = local_shape_and_offset(shape, mesh_shape, ps, coord)
+    lshape, offset = local_shape_and_offset(shape, mesh_shape, list(placements), coord)
     return tuple((o, o + n) for o, n in zip(offset, lshape))
 
 
@@ -45,19 +43,6 @@ def box_numel(b: Box) -> int:
 
 def _inside(a: Box, b: Box) -> bool:
     return all(blo <= alo and ahi <= bhi for (alo, ahi), (blo, bhi) in zip(a, b))
-
-
-def _intersect_numel(a: Box, b: Box) -> int:
-    n = 1
-    for (alo, ahi), (blo, bhi) in zip(a, b):
-        n *= max(0, min(ahi, bhi) - max(alo, blo))
-    return n
-
-
-def lacking_elements(shape, mesh_shape, src, dst, coord) -> int:
-    """Elements of the target box of ``coord`` that its source box does not hold."""
-    t = rank_box(shape, mesh_shape, dst, coord)
-    return box_numel(t) - _intersect_numel(t, rank_box(shape, mesh_shape, src, coord))
 
 
 def group_coords(mesh_shape: Sequence[int], dims: Sequence[int], coord: Sequence[int]) -> list[tuple[int, ...]]:
@@ -193,7 +178,3 @@ def exchange_costs(shape, mesh_shape, src, dst, dims: Sequence[int]) -> tuple[in
         for q, lst in enumerate(needs):
             got_by_coord[members[q]] = sum(box_numel(a) for a, p in lst if p != q)
     return tuple(got_by_coord[c] for c in itertools.product(*(range(n) for n in mesh_shape)))
-
-
-def partial_dims(placements: Sequence[Placement]) -> list[int]:
-    return [i for i, p in enumerate(placements) if isinstance(p, Partial)]

@@ -157,7 +157,7 @@ def fully_shard(
     # ---- validate everything before touching the module: the same checks on every rank, so a
     # bad call raises everywhere and no collective was issued
     if isinstance(module, (list, tuple)):
-        raise NotImplementedError(f"fully_shard: a list of modules is not supported yet; call it on each module")
+        raise NotImplementedError("fully_shard: a list of modules is not supported yet; call it on each module")
     if not isinstance(module, nn.Module):
         raise ValueError(f"fully_shard: expects an nn.Module, got {type(module).__name__}")
     if isinstance(module, FSDPModule) or getattr(module, "_dtshard_fsdp", None) is not None:
