@@ -1,11 +1,12 @@
 """Which elements each rank must receive, and from whom, to change a layout: pure metadata.
 
-A rank's shard under Shard/Replicate placements is a box of the global tensor (one interval per
-tensor dim; Partial counts as the whole extent, like Replicate).  To move from a source layout to
+A rank's shard is a *region* of the global tensor: per tensor dim, the sorted global index
+intervals it holds (one interval per dim, a box, for Shard/Replicate; several for a strided
+shard; Partial counts as the whole extent, like Replicate), see ``spec.local_region``.  To move from a source layout to
 a target layout over a group of ranks (the ranks that differ only in some mesh dims), each rank
 needs exactly the part of its target box that its source box lacks.  Cutting every tensor dim at
-every box boundary of both layouts splits the tensor into *atoms*: boxes that are, for every rank,
-wholly inside or wholly outside its source and its target box.  Each atom a rank needs and lacks
+every interval boundary of both layouts splits the tensor into *atoms*: boxes that are, for every
+rank, wholly inside or wholly outside its source and its target region.  Each atom a rank needs and lacks
 is sent to it by one rank of the group that holds it (the first in group order), so every rank
 receives the theoretical minimum; the sends of one (sender, receiver) pair travel as one segment
 of an ``all_to_all_single`` with per-rank split sizes (pairs with nothing to send send nothing).
@@ -23,26 +24,31 @@ from typing import Sequence
 
 from torch.distributed.tensor.placement_types import Placement
 
-from dtshard.spec import local_shape_and_offset
+from dtshard.spec import Region, local_region
 
-__all__ = ["Box", "rank_box", "box_numel", "group_coords", "ExchangePlan", "exchange_plan", "exchange_costs"]
+__all__ = ["Box", "Region", "rank_box", "box_numel", "group_coords", "ExchangePlan", "exchange_plan",
+           "exchange_costs"]
 
-Box = tuple[tuple[int, int], ...]  # (start, stop) per tensor dim
+Box = tuple[tuple[int, int], ...]  # (start, stop) per tensor dim: one atom
 
 
 def rank_box(shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement],
-             coord: Sequence[int]) -> Box:
+             coord: Sequence[int]) -> Region:
     """The global region whose values (or, under Partial, terms) the rank at ``coord`` holds."""
-    lshape, offset = local_shape_and_offset(shape, mesh_shape, list(placements), coord)
-    return tuple((o, o + n) for o, n in zip(offset, lshape))
+    return local_region(shape, mesh_shape, list(placements), coord)
 
 
-def box_numel(b: Box) -> int:
-    return math.prod(hi - lo for lo, hi in b)
+def box_numel(r: Region) -> int:
+    return math.prod(sum(hi - lo for lo, hi in ivs) for ivs in r)
 
 
-def _inside(a: Box, b: Box) -> bool:
-    return all(blo <= alo and ahi <= bhi for (alo, ahi), (blo, bhi) in zip(a, b))
+def _atom_numel(a: Box) -> int:
+    return math.prod(hi - lo for lo, hi in a)
+
+
+def _inside(a: Box, r: Region) -> bool:
+    """Is the atom ``a`` part of the region ``r``?  (An atom never straddles an interval edge.)"""
+    return all(any(lo <= alo and ahi <= hi for lo, hi in ivs) for (alo, ahi), ivs in zip(a, r))
 
 
 def group_coords(mesh_shape: Sequence[int], dims: Sequence[int], coord: Sequence[int]) -> list[tuple[int, ...]]:
@@ -89,24 +95,37 @@ class ExchangePlan:
         return [sum(t.numel for t in ts) for ts in self.recvs]
 
 
-def _cuts(boxes: list[Box], ndim: int) -> list[list[int]]:
+def _cuts(regions: list[Region], ndim: int) -> list[list[int]]:
     cuts = []
     for d in range(ndim):
-        pts = sorted({p for b in boxes for p in b[d]})
+        pts = sorted({p for r in regions for iv in r[d] for p in iv})
         cuts.append(pts)
     return cuts
 
 
-def _atoms_of(box: Box, cuts: list[list[int]]) -> list[Box]:
+def _atoms_of(region: Region, cuts: list[list[int]]) -> list[Box]:
     per_dim = []
-    for d, (lo, hi) in enumerate(box):
-        pts = [p for p in cuts[d] if lo <= p <= hi]
-        per_dim.append([(a, b) for a, b in zip(pts, pts[1:]) if b > a])
+    for d, ivs in enumerate(region):
+        pieces = []
+        for lo, hi in ivs:
+            pts = [p for p in cuts[d] if lo <= p <= hi]
+            pieces.extend((a, b) for a, b in zip(pts, pts[1:]) if b > a)
+        per_dim.append(pieces)
     return [tuple(a) for a in itertools.product(*per_dim)]
 
 
-def _slices(atom: Box, box: Box) -> tuple[tuple[int, int], ...]:
-    return tuple((alo - blo, ahi - alo) for (alo, ahi), (blo, _) in zip(atom, box))
+def _local_start(x: int, ivs) -> int:
+    """Local position of global index ``x`` in a rank holding intervals ``ivs``."""
+    pos = 0
+    for lo, hi in ivs:
+        if lo <= x < hi:
+            return pos + x - lo
+        pos += hi - lo
+    raise AssertionError(f"index {x} not in {ivs}")
+
+
+def _slices(atom: Box, region: Region) -> tuple[tuple[int, int], ...]:
+    return tuple((_local_start(alo, ivs), ahi - alo) for (alo, ahi), ivs in zip(atom, region))
 
 
 def _group_assignment(shape, mesh_shape, src, dst, dims, coord):
@@ -150,14 +169,14 @@ def exchange_plan(shape, mesh_shape, src, dst, dims: Sequence[int], coord) -> Ex
                 traffic = True
             if p != me and q != me:
                 continue
-            t = Transfer(_slices(atom, sboxes[p]), _slices(atom, tboxes[q]), box_numel(atom))
+            t = Transfer(_slices(atom, sboxes[p]), _slices(atom, tboxes[q]), _atom_numel(atom))
             if p == q == me:
                 keeps.append(t)
             elif p == me:
                 sends[q].append(t)
             else:
                 recvs[p].append(t)
-    dst_shape = tuple(hi - lo for lo, hi in tboxes[me])
+    dst_shape = tuple(sum(hi - lo for lo, hi in ivs) for ivs in tboxes[me])
     return ExchangePlan(me, dst_shape, tuple(map(tuple, sends)), tuple(map(tuple, recvs)), tuple(keeps), traffic)
 
 
@@ -176,5 +195,5 @@ def exchange_costs(shape, mesh_shape, src, dst, dims: Sequence[int]) -> tuple[in
             return None
         members, _, _, needs = got
         for q, lst in enumerate(needs):
-            got_by_coord[members[q]] = sum(box_numel(a) for a, p in lst if p != q)
+            got_by_coord[members[q]] = sum(_atom_numel(a) for a, p in lst if p != q)
     return tuple(got_by_coord[c] for c in itertools.product(*(range(n) for n in mesh_shape)))

@@ -36,8 +36,8 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from dtshard import collectives as C
 from dtshard import layout as L
 from dtshard._trace import copy_observers, note_copy
-from dtshard.spec import (DTensorSpec, _itemsize, chunk_range, chunk_sizes, local_shape_and_offset, placement_equal,
-                          placement_str, placements_str)
+from dtshard.spec import (DTensorSpec, _itemsize, chunk_range, chunk_sizes, is_shard, is_strided, local_shape,
+                          placement_equal, placement_str, placements_str)
 
 __all__ = ["Step", "GroupStep", "plan", "plan_text", "redistribute_local", "transition_cost"]
 
@@ -178,7 +178,7 @@ def plan(spec: DTensorSpec, dst: Sequence[Placement]) -> tuple[Step, ...]:
     if src == dst:
         _plan_cache[key] = ()
         return ()
-    if len(src) == 1:  # one mesh dim: a direct step, or two through Replicate (S->P, P(a)->P(b))
+    if len(src) == 1 and not _any_strided(src, dst):  # one mesh dim: a direct step, or two through Replicate (S->P, P(a)->P(b))
         kind = _step_kind(src[0], dst[0])
         if kind is not None:
             steps = (Step(0, src[0], dst[0], kind),)
@@ -245,15 +245,22 @@ def _all_coords(mesh_shape) -> list[tuple[int, ...]]:
     return list(itertools.product(*(range(n) for n in mesh_shape)))
 
 
+def _any_strided(*states) -> bool:
+    return any(is_strided(p) for st in states for p in st)
+
+
 def _best_plan(spec: DTensorSpec, src: tuple, dst: tuple) -> tuple:
     """The cheaper of the single-mesh-dim plan and the plans with steps over flattened groups
     (a reduction over all Partial dims at once, then an exchange); single-dim steps win ties (the
-    plain collectives need no per-atom packing)."""
-    try:
-        steps = _dijkstra(spec, src, dst)
-        best = (_steps_cost(spec, steps), steps)
-    except ValueError:
-        best = None
+    plain collectives need no per-atom packing).  Strided shards move by group steps only (the
+    single-dim steps assume each shard is one contiguous chunk of its parent)."""
+    best = None
+    if not _any_strided(src, dst):
+        try:
+            steps = _dijkstra(spec, src, dst)
+            best = (_steps_cost(spec, steps), steps)
+        except ValueError:
+            pass
     for cand in _group_plans(spec, src, dst):
         c = _steps_cost(spec, cand)
         if best is None or c < best[0] * (1 - 1e-6) - 1.0:
@@ -272,7 +279,8 @@ def _partials_to_reduce(src: tuple, dst: tuple) -> list[int]:
 
 def _group_plans(spec: DTensorSpec, src: tuple, dst: tuple) -> list[tuple]:
     """Candidate plans built from GroupSteps (none on a 1-D mesh: single steps are optimal)."""
-    if len(src) < 2:
+    strided = _any_strided(src, dst)
+    if len(src) < 2 and not strided:
         return []
     red = _partials_to_reduce(src, dst)
     out = []
@@ -291,10 +299,11 @@ def _group_plans(spec: DTensorSpec, src: tuple, dst: tuple) -> list[tuple]:
         rest = _exchange_steps(spec, mid, dst)
         if rest is not None:
             out.append((step, *rest))
-        try:
-            out.append((step, *_dijkstra(spec, mid, dst)))
-        except ValueError:
-            pass
+        if not _any_strided(mid, dst):
+            try:
+                out.append((step, *_dijkstra(spec, mid, dst)))
+            except ValueError:
+                pass
     return out
 
 
@@ -315,6 +324,8 @@ def _reductions(spec: DTensorSpec, src: tuple, red: tuple):
         # the new shards nest after every mesh dim already sharding d (spec.py's convention)
         if any(isinstance(p, Shard) and p.dim == d and i > red[0] for i, p in enumerate(src)):
             continue
+        if any(is_strided(p) and p.dim == d for p in src):
+            continue  # the pieces of a strided dim are not nested chunks: reduce, then exchange
         mid = tuple(Shard(d) if i in red else p for i, p in enumerate(src))
         # each rank receives the k-1 other terms of the piece it keeps (pieces may differ)
         pieces = tuple((k - 1) * L.box_numel(L.rank_box(shape, mesh_shape, mid, c)) * itemsize for c in coords)
@@ -393,7 +404,7 @@ def transition_cost(spec: DTensorSpec, dst: Sequence[Placement]) -> float:
     src = spec.placements
     if dst == src:
         return 0.0
-    if len(dst) == 1:  # one mesh dim (the common case on a cache miss): plan()'s steps, priced inline
+    if len(dst) == 1 and not _any_strided(src, dst):  # one mesh dim (the common case): priced inline
         return _cost_1d(spec.shape, spec.mesh_shape[0], src[0], dst[0], _itemsize(spec.dtype))
     return _steps_cost(spec, plan(spec, dst))
 
@@ -596,7 +607,7 @@ def _run_group_step(x: torch.Tensor, spec: DTensorSpec, step: GroupStep, coord) 
             out = C.all_reduce(x, op, spec.mesh, dims)
         else:
             d = step.dst[dims[0]].dim
-            sizes = [local_shape_and_offset(spec.shape, spec.mesh_shape, step.dst, c)[0][d]
+            sizes = [local_shape(spec.shape, spec.mesh_shape, step.dst, c)[d]
                      for c in L.group_coords(spec.mesh_shape, dims, coord)]
             out = _reduce_scatter_sizes(x, spec, dims, C.group_rank(spec.mesh, dims), op, d, sizes)
         if len(ops) > 0:  # mixed: divide by the size of the averaged dims

@@ -18,17 +18,29 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
 
 __all__ = [
     "DTensorSpec",
     "TensorMeta",
+    "Region",
     "chunk_range",
     "chunk_sizes",
+    "is_shard",
+    "is_strided",
+    "local_region",
+    "local_shape",
     "local_shape_and_offset",
     "placement_str",
     "placements_str",
+    "take_region",
 ]
+
+#: A rank's part of a global tensor, per tensor dim: the sorted, disjoint global index intervals
+#: ``(start, stop)`` it holds.  The local shard is the product of these index lists in row-major
+#: order (so its elements appear in global order).  Plain Shard/Replicate layouts hold one
+#: interval per dim (a box); a strided shard holds several.
+Region = tuple[tuple[tuple[int, int], ...], ...]
 
 
 def chunk_range(size: int, n: int, index: int) -> tuple[int, int]:
@@ -46,13 +58,130 @@ def chunk_sizes(size: int, n: int) -> list[int]:
     return [chunk_range(size, n, i)[1] for i in range(n)]
 
 
+def is_strided(p: Placement) -> bool:
+    """A strided shard: torch's ``_StridedShard(dim, split_factor=sf)`` (see :func:`local_region`)."""
+    return type(p) is _StridedShard
+
+
+def is_shard(p: Placement) -> bool:
+    """A plain or strided shard (both split a tensor dim; ``_StridedShard`` is not a ``Shard``)."""
+    return isinstance(p, Shard) or type(p) is _StridedShard
+
+
+def split_factor(p: Placement) -> int:
+    return int(p.split_factor)
+
+
+def _pick(intervals: Sequence[tuple[int, int]], start: int, length: int) -> list[tuple[int, int]]:
+    """The global intervals at local positions ``[start, start + length)`` of a rank holding
+    ``intervals`` (its local positions enumerate them in order)."""
+    out, pos, stop = [], 0, start + length
+    for lo, hi in intervals:
+        n = hi - lo
+        a, b = max(start, pos), min(stop, pos + n)
+        if a < b:
+            out.append((lo + a - pos, lo + b - pos))
+        pos += n
+        if pos >= stop:
+            break
+    return out
+
+
+def _merge(intervals: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    out: list[tuple[int, int]] = []
+    for lo, hi in intervals:
+        if hi <= lo:
+            continue
+        if out and out[-1][1] == lo:
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return tuple(out)
+
+
+def local_region(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    placements: Sequence[Placement],
+    coordinate: Sequence[int],
+) -> Region:
+    """The global index intervals, per tensor dim, of the shard held at ``coordinate``.
+
+    Placements apply in mesh-dim order to what the earlier mesh dims left (PyTorch's
+    left-to-right convention):
+
+    - ``Shard(d)`` on a mesh dim of size ``n`` keeps chunk ``c`` (torch.chunk layout) of the
+      rank's current dim-``d`` positions;
+    - ``_StridedShard(d, split_factor=sf)`` first cuts the current positions into ``sf`` chunks,
+      cuts each of them into ``n`` chunks, and keeps chunk ``c`` of every one, in order.  This is
+      a dim sharded "inner first" (FSDP's ``Shard(0)`` of a tensor-parallel ``Shard(0)`` weight),
+      or a dim that a view merged from several dims of which a non-first one was sharded
+      (``(b, h)`` with ``h`` sharded, viewed as ``b*h``: ``sf = b``).
+    """
+    region: list[list[tuple[int, int]]] = [[(0, n)] if n else [] for n in global_shape]
+    for mesh_dim, p in enumerate(placements):
+        if isinstance(p, Shard):
+            d, parts = p.dim, 1
+        elif type(p) is _StridedShard:
+            d, parts = p.dim, split_factor(p)
+        else:
+            continue
+        n, c = mesh_shape[mesh_dim], coordinate[mesh_dim]
+        cur = region[d]
+        total = sum(hi - lo for lo, hi in cur)
+        kept: list[tuple[int, int]] = []
+        for j in range(parts):
+            o, ln = chunk_range(total, parts, j)
+            a, b = chunk_range(ln, n, c)
+            kept.extend(_pick(cur, o + a, b))
+        region[d] = list(_merge(kept))
+    return tuple(tuple(r) for r in region)
+
+
+def local_shape(global_shape, mesh_shape, placements, coordinate) -> tuple[int, ...]:
+    """Shape of the local shard held at ``coordinate`` (any placements, strided ones included)."""
+    if not any(type(p) is _StridedShard for p in placements):
+        return local_shape_and_offset(global_shape, mesh_shape, placements, coordinate)[0]
+    return tuple(sum(hi - lo for lo, hi in r) for r in local_region(global_shape, mesh_shape, placements, coordinate))
+
+
+def take_region(full, region: Region):
+    """This rank's shard of the full tensor ``full`` (a copy when the region is not a box)."""
+    out = full
+    for d, ivs in enumerate(region):
+        if len(ivs) == 1:
+            lo, hi = ivs[0]
+            if lo != 0 or hi != full.shape[d]:
+                out = out.narrow(d, lo, hi - lo)
+        elif not ivs:
+            out = out.narrow(d, 0, 0)
+        else:
+            import torch as _torch
+
+            out = _torch.cat([out.narrow(d, lo, hi - lo) for lo, hi in ivs], dim=d)
+    return out
+
+
 def local_shape_and_offset(
     global_shape: Sequence[int],
     mesh_shape: Sequence[int],
     placements: Sequence[Placement],
     coordinate: Sequence[int],
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Shape and global offset of the local shard held at ``coordinate`` of the mesh."""
+    """Shape and global offset of the local shard held at ``coordinate`` of the mesh.
+
+    A strided shard whose region is not one box (per dim one interval) has no offset: that
+    raises ValueError (use :func:`local_region`)."""
+    if any(type(p) is _StridedShard for p in placements):
+        region = local_region(global_shape, mesh_shape, placements, coordinate)
+        if any(len(r) > 1 for r in region):
+            raise ValueError(
+                f"the shard at mesh coordinate {tuple(coordinate)} of a {tuple(global_shape)} tensor with "
+                f"placements {placements_str(placements)} on mesh {tuple(mesh_shape)} is not one block of "
+                "the global tensor (a strided shard), so it has no single offset; use "
+                "dtshard.spec.local_region, or redistribute to plain Shard placements first")
+        return (tuple(r[0][1] - r[0][0] if r else 0 for r in region),
+                tuple(r[0][0] if r else 0 for r in region))
     shape = list(global_shape)
     offset = [0] * len(shape)
     for mesh_dim, p in enumerate(placements):
@@ -73,7 +202,7 @@ def global_stride_from_local(local_stride: Sequence[int], mesh_shape: Sequence[i
     tensor and a contiguous shard a contiguous one."""
     stride = list(local_stride)
     for mesh_dim, p in enumerate(placements):
-        if isinstance(p, Shard):
+        if is_shard(p):
             n, base = mesh_shape[mesh_dim], stride[p.dim]
             stride = [s * n if i != p.dim and s >= base else s for i, s in enumerate(stride)]
     return tuple(stride)
@@ -83,6 +212,8 @@ def placement_str(p: Placement) -> str:
     """Short stable text of one placement: S(0), R, P(sum)."""
     if isinstance(p, Shard):
         return f"S({p.dim})"
+    if type(p) is _StridedShard:
+        return f"_S({p.dim}, {split_factor(p)})"
     if isinstance(p, Replicate):
         return "R"
     if isinstance(p, Partial):
@@ -178,7 +309,7 @@ class DTensorSpec:
     def __getstate__(self) -> dict:
         # pickling (torch.save, deepcopy): the fields only.  The cached hash covers the mesh's
         # identity (its process group names), which a load in another process may not share.
-        return {k: v for k, v in self.__dict__.items() if k not in ("_hash", "_mesh_shape")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_hash", "_mesh_shape", "_has_strided")}
 
     # ---- derived metadata -------------------------------------------------------------------
     @property
@@ -211,7 +342,19 @@ class DTensorSpec:
         return DTensorSpec(self.mesh, tuple(placements), self.shape, self.stride, self.dtype)
 
     def local_shape(self, coordinate: Sequence[int]) -> tuple[int, ...]:
-        return local_shape_and_offset(self.shape, self.mesh_shape, self.placements, coordinate)[0]
+        return local_shape(self.shape, self.mesh_shape, self.placements, coordinate)
+
+    def local_region(self, coordinate: Sequence[int]) -> Region:
+        return local_region(self.shape, self.mesh_shape, self.placements, coordinate)
+
+    @property
+    def has_strided(self) -> bool:
+        """Does any mesh dim hold a strided shard (``_StridedShard``)?"""
+        h = self.__dict__.get("_has_strided")
+        if h is None:
+            h = any(type(p) is _StridedShard for p in self.placements)
+            object.__setattr__(self, "_has_strided", h)
+        return h
 
     def local_shape_and_offset(self, coordinate: Sequence[int]):
         return local_shape_and_offset(self.shape, self.mesh_shape, self.placements, coordinate)
@@ -220,16 +363,16 @@ class DTensorSpec:
         """True when every sharded dim splits into equal chunks (no padding anywhere)."""
         shape = list(self.shape)
         for mesh_dim, p in enumerate(self.placements):
-            if isinstance(p, Shard):
-                n = self.mesh_shape[mesh_dim]
+            if is_shard(p):
+                n = self.mesh_shape[mesh_dim] * (split_factor(p) if is_strided(p) else 1)
                 if shape[p.dim] % n:
                     return False
-                shape[p.dim] //= n
+                shape[p.dim] //= self.mesh_shape[mesh_dim]
         return True
 
     def shard_mesh_dims(self, tensor_dim: int) -> list[int]:
         """Mesh dims that shard ``tensor_dim``, outermost first."""
-        return [i for i, p in enumerate(self.placements) if isinstance(p, Shard) and p.dim == tensor_dim]
+        return [i for i, p in enumerate(self.placements) if is_shard(p) and p.dim == tensor_dim]
 
     def __repr__(self) -> str:
         return (
@@ -303,6 +446,18 @@ def normalize_placements(placements: Sequence[Placement], ndim: int, mesh_ndim: 
                     f"use a dim in [-{ndim}, {ndim})."
                 )
             out.append(Shard(d % ndim) if d < 0 else p)
+        elif type(p) is _StridedShard:
+            d, sf = p.dim, split_factor(p)
+            if not -max(ndim, 1) <= d < max(ndim, 1) or ndim == 0:
+                raise ValueError(
+                    f"{what}: placement {placement_str(p)} is out of range for a {ndim}-D tensor; "
+                    f"use a dim in [-{ndim}, {ndim})."
+                )
+            if sf < 1:
+                raise ValueError(f"{what}: placement {placement_str(p)} needs a split_factor >= 1.")
+            d = d % ndim
+            # split factor 1 is a plain shard: one canonical spelling per layout
+            out.append(Shard(d) if sf == 1 else (p if d == p.dim else _StridedShard(d, split_factor=sf)))
         elif isinstance(p, Partial):
             if p.reduce_op not in REDUCE_OPS:
                 hint = " (PyTorch spells it 'product')" if p.reduce_op == "prod" else ""
@@ -314,7 +469,8 @@ def normalize_placements(placements: Sequence[Placement], ndim: int, mesh_ndim: 
         elif isinstance(p, Replicate):
             out.append(p)
         else:
-            raise TypeError(f"{what}: unsupported placement {p!r}; use Shard(d), Replicate() or Partial(op).")
+            raise TypeError(f"{what}: unsupported placement {p!r}; use Shard(d), Replicate(), Partial(op) "
+                            "or _StridedShard(d, split_factor=sf).")
     ops = {p.reduce_op for p in out if isinstance(p, Partial)}
     if "product" in ops and len(ops) > 1:
         # a product of sums is not a sum of products: the value would depend on the order in which
