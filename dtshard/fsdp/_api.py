@@ -100,6 +100,39 @@ class FSDPModule:
         state.ctx.is_last_backward = is_last_backward
 
 
+def _check_tp_param(where: str, fqn: str, p: DTensor, mesh) -> None:
+    """FSDP x TP: a parameter that already is a dtshard DTensor (``parallelize_module`` on the
+    ``"tp"`` sub-mesh) is sharded again over ``mesh`` (the ``"dp"`` sub-mesh of the same mesh)."""
+    from dtshard.spec import is_strided, mesh_identity, placements_str
+
+    tp_mesh = p._spec.mesh
+    desc = (f"parameter {fqn!r} (shape {tuple(p.shape)}, placements {placements_str(p._spec.placements)} on "
+            f"mesh {tuple(tp_mesh.shape)} {tp_mesh.mesh_dim_names})")
+    if mesh.ndim != 1:
+        raise NotImplementedError(
+            f"{where}: {desc} is tensor-parallel; HSDP x TP (a 2-D data-parallel mesh "
+            f"{tuple(mesh.shape)}) is not supported yet: use a 1-D data-parallel mesh (FSDP x TP)")
+    if tp_mesh.ndim != 1 or any(is_strided(q) or q.is_partial() for q in p._spec.placements):
+        raise NotImplementedError(
+            f"{desc}: FSDP x TP takes parameters sharded or replicated on a 1-D tensor-parallel mesh")
+    same_root = False
+    try:
+        root_dp, root_tp = mesh._get_root_mesh(), tp_mesh._get_root_mesh()
+        same_root = mesh_identity(root_dp) == mesh_identity(root_tp) and root_dp is not mesh
+    except Exception:  # noqa: BLE001 - a mesh without a root: not a sub-mesh
+        pass
+    names_ok = bool(mesh.mesh_dim_names) and bool(tp_mesh.mesh_dim_names) and \
+        mesh.mesh_dim_names[0] != tp_mesh.mesh_dim_names[0]
+    if not (same_root and names_ok):
+        raise ValueError(
+            f"{where}: {desc} is tensor-parallel on a mesh that is not another dim of the data-parallel "
+            f"mesh {tuple(mesh.shape)} {mesh.mesh_dim_names}. Build one mesh, e.g. mesh = "
+            "init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')), parallelize with mesh['tp'] "
+            "and call fully_shard(module, mesh=mesh['dp'])")
+    if p.dim() == 0 or p._local_tensor.dim() == 0:
+        raise NotImplementedError(f"{where}: {desc} is 0-dim; FSDP shards dim 0")
+
+
 def _state_of(m, what: str) -> FSDPState:
     if not isinstance(m, FSDPModule):
         raise ValueError(f"{what}: {type(m).__name__} is not a fully_shard module")
@@ -149,9 +182,15 @@ def fully_shard(
     hold the same initial parameters (as with PyTorch).  Returns ``module``, whose class now
     also derives from :class:`FSDPModule`.
 
+    FSDP x TP: parameters that already are dtshard DTensors on ``mesh_2d["tp"]`` (from
+    ``dtshard.parallel.parallelize_module``) are sharded again over ``mesh=mesh_2d["dp"]``: the
+    sharded parameters are DTensors on the 2-D mesh (a TP ``Shard(0)`` weight becomes
+    ``(_StridedShard(0, split_factor=tp), Shard(0))``, as in PyTorch), the module computes with its
+    usual TP DTensors, and the all_gather / reduce_scatter run over the dp mesh dim only.
+
     Not yet supported (raise): a list of modules, an int ``reshard_after_forward``, placements
-    other than ``Shard(0)`` from ``shard_placement_fn``, ``dp_mesh_dims`` (FSDP x TP on one
-    SPMD mesh), parameters that already are DTensors (TP), 0-dim parameters.
+    other than ``Shard(0)`` from ``shard_placement_fn``, ``dp_mesh_dims`` (FSDP on one SPMD
+    mesh), HSDP x TP, 0-dim parameters.
     """
     where = f"fully_shard({type(module).__name__})"
     # ---- validate everything before touching the module: the same checks on every rank, so a
@@ -211,9 +250,7 @@ def fully_shard(
                 f"{where}: parameter {fqn!r} (shape {tuple(p.shape)}) is already sharded by fully_shard on an "
                 "enclosing module; apply fully_shard bottom-up: each block first, then the root")
         if isinstance(p, DTensor):
-            raise NotImplementedError(
-                f"{where}: parameter {fqn!r} (shape {tuple(p.shape)}) already is a dtshard DTensor with "
-                f"placements {p.placements}; FSDP over tensor-parallel parameters is not supported yet")
+            _check_tp_param(where, fqn, p, mesh)
         if p.dim() == 0:
             raise NotImplementedError(f"{where}: parameter {fqn!r} is 0-dim; FSDP shards dim 0 (make it shape (1,))")
         if p.device.type == "meta":
@@ -223,6 +260,11 @@ def fully_shard(
             if placement is not None and not (getattr(placement, "dim", None) == 0 and type(placement).__name__ == "Shard"):
                 raise NotImplementedError(
                     f"{where}: shard_placement_fn returned {placement!r} for {fqn!r}; only Shard(0) is supported yet")
+    tp_meshes = {id(p._spec.mesh._get_root_mesh()) for _, p, _ in params if isinstance(p, DTensor)}
+    tp_names = {p._spec.mesh.mesh_dim_names for _, p, _ in params if isinstance(p, DTensor)}
+    if len(tp_meshes) > 1 or len(tp_names) > 1:
+        raise ValueError(f"{where}: the tensor-parallel parameters live on different meshes {sorted(tp_names)}; "
+                         "parallelize the module on one mesh['tp']")
     dtypes = sorted({str(p.dtype) for _, p, _ in params})
     if len(dtypes) > 1:
         raise NotImplementedError(

@@ -62,6 +62,12 @@ class _ParamInfo:
     full_offset: int  # offset in the flat unsharded buffer
     numel: int
     requires_grad: bool
+    #: FSDP x TP: the parameter's tensor-parallel layout ``(tp mesh, placements, global shape)``;
+    #: ``shape`` above is then its TP-local shape (what FSDP shards, gathers and reduces), and the
+    #: full parameter handed to the module is a DTensor with this layout.  None for plain ones.
+    tp: Optional[tuple] = None
+    #: the sharded parameter's spec (global shape, the FSDP placements, with TP's on a 2-D mesh)
+    spec: Optional[DTensorSpec] = None
 
 
 class ParamGroup:
@@ -101,14 +107,21 @@ class ParamGroup:
     def _init_buffers(self, params: list) -> None:
         shard_off = full_off = 0
         for fqn, p, owners in params:
-            shape = tuple(p.shape)
+            # FSDP x TP: FSDP shards the TP-local tensor (each rank's TP shard, cut along dim 0)
+            shape = tuple(p._local_tensor.shape) if isinstance(p, DTensor) else tuple(p.shape)
             rows = shape[0]
             row_numel = math.prod(shape[1:])
             c = -(-rows // self.W)
             _, local_rows = chunk_range(rows, self.W, self.rank)
-            numel = p.numel()
+            numel = math.prod(shape)
+            tp = spec = None
+            if isinstance(p, DTensor):
+                tp = (p._spec.mesh, p._spec.placements, tuple(p.shape))
+                spec = _fsdp_tp_spec(self.mesh, p._spec)
+            else:
+                spec = DTensorSpec(self.mesh, self.placements, shape, contiguous_strides(shape), p.dtype)
             self.infos.append(_ParamInfo(fqn, owners, shape, row_numel, c * row_numel, shard_off, local_rows,
-                                         full_off, numel, p.requires_grad))
+                                         full_off, numel, p.requires_grad, tp, spec))
             shard_off += c * row_numel
             full_off += numel
         self.S = shard_off
@@ -119,9 +132,9 @@ class ParamGroup:
             start, _ = chunk_range(info.shape[0], self.W, self.rank)
             with torch.no_grad():
                 local = self._shard_view(self.flat_shard, info)
-                local.copy_(p.detach()[start:start + info.local_rows])
-            spec = DTensorSpec(self.mesh, self.placements, info.shape, contiguous_strides(info.shape), self.orig_dtype)
-            sharded = nn.Parameter(DTensor(local, spec, requires_grad=False), requires_grad=p.requires_grad)
+                src = p._local_tensor if isinstance(p, DTensor) else p.detach()
+                local.copy_(src[start:start + info.local_rows])
+            sharded = nn.Parameter(DTensor(local, info.spec, requires_grad=False), requires_grad=p.requires_grad)
             sharded._dtshard_fsdp_sharded = True  # a later fully_shard on a submodule must not take it
             self.sharded_params.append(sharded)
             for owner, name in owners:
@@ -237,8 +250,12 @@ class ParamGroup:
 
     def full_views(self) -> list[torch.Tensor]:
         """Fresh views of the full parameters (one set per forward call: autograd attaches each
-        forward's history to its own tensors)."""
+        forward's history to its own tensors); TP-local ones for FSDP x TP parameters."""
         return [self.flat_full[i.full_offset:i.full_offset + i.numel].view(i.shape) for i in self.infos]
+
+    @property
+    def has_tp(self) -> bool:
+        return any(i.tp is not None for i in self.infos)
 
     # ---- gradients ------------------------------------------------------------------------
     def reduce_grads(self, grads) -> Optional[tuple]:
@@ -306,5 +323,29 @@ class ParamGroup:
                     if p.grad._spec.placements != p._spec.placements:
                         # a gradient autograd accumulated into the sharded parameter itself (it
                         # was used outside the module's forward, e.g. in a regularizer)
-                        p.grad = p.grad.redistribute(self.mesh, self.placements)
+                        p.grad = p.grad.redistribute(p._spec.mesh, p._spec.placements)
                     p.grad._local_tensor.add_(local)
+
+
+def _fsdp_tp_spec(dp_mesh, tp_spec: DTensorSpec) -> DTensorSpec:
+    """The sharded spec of a tensor-parallel parameter that FSDP shards again on ``dp_mesh``: a
+    DTensor on the 2-D mesh of the dp and tp mesh dims (in the root mesh's order), whose shards
+    are dim-0 chunks of each rank's TP shard.  When TP shards dim 0 too, that is TP first, then
+    FSDP, which on a (dp, tp) mesh is ``(_StridedShard(0, split_factor=tp), Shard(0))`` (PyTorch's
+    FSDP2 x TP layout; ``fully_shard`` checked the meshes, see ``_api._check_tp_param``)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    tp_mesh = tp_spec.mesh
+    (tp_pl,) = tp_spec.placements
+    root = dp_mesh._get_root_mesh()
+    dp_name, tp_name = dp_mesh.mesh_dim_names[0], tp_mesh.mesh_dim_names[0]
+    names = root.mesh_dim_names
+    dp_first = names.index(dp_name) < names.index(tp_name)
+    mesh2 = root[(dp_name, tp_name) if dp_first else (tp_name, dp_name)]
+    if dp_first:
+        shards_dim0 = isinstance(tp_pl, Shard) and tp_pl.dim == 0
+        dp_pl = _StridedShard(0, split_factor=tp_mesh.size()) if shards_dim0 else Shard(0)
+        placements = (dp_pl, tp_pl)
+    else:  # tp splits first in mesh order already: plain nesting
+        placements = (tp_pl, Shard(0))
+    return DTensorSpec(mesh2, placements, tp_spec.shape, contiguous_strides(tp_spec.shape), tp_spec.dtype)

@@ -158,6 +158,8 @@ class FSDPState:
         fulls = _Unshard.apply(self, *g.sharded_params)
         if count and torch.is_grad_enabled() and any(p.requires_grad for p in g.sharded_params):
             self._live += 1  # one more _Unshard node whose backward will run
+        if g.has_tp:
+            fulls = [full if info.tp is None else _tp_param(full, info) for full, info in zip(fulls, g.infos)]
         for full, info in zip(fulls, g.infos):
             for owner, name in info.owners:
                 owner.__dict__[name] = full
@@ -249,6 +251,19 @@ class FSDPState:
             s._live = 0
             if s.group.state == "gathering":
                 s.group.reshard()
+
+
+def _tp_param(local: torch.Tensor, info) -> torch.Tensor:
+    """FSDP x TP: the gathered TP-local parameter as the module's tensor-parallel DTensor (its
+    mesh, placements and global shape from before ``fully_shard``).  Differentiable: in backward
+    its gradient is brought to those placements (a Partial over the TP mesh, the gradient of a
+    replicated weight under sequence parallelism, is all-reduced there) and its TP-local part
+    flows to ``local``, which FSDP then reduce-scatters over the data-parallel mesh."""
+    from dtshard.spec import contiguous_strides
+    from dtshard.tensor import DTensor
+
+    mesh, placements, shape = info.tp
+    return DTensor.from_local(local, mesh, placements, shape=shape, stride=contiguous_strides(shape))
 
 
 def _in_backward() -> bool:
