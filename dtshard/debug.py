@@ -10,12 +10,12 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterator
 
-from torch.distributed.tensor.placement_types import Replicate as _Replicate
-from torch.distributed.tensor.placement_types import Shard as _Shard
+from torch.distributed.tensor.placement_types import Partial
 
 from dtshard import _trace
 from dtshard.spec import placements_str
@@ -339,9 +339,24 @@ def describe_spec(spec) -> str:
     return f"{tuple(spec.shape)} {placements_str(spec.placements)} on mesh {tuple(spec.mesh.shape)}"
 
 
-def _ranges(spec, coord) -> list[tuple[int, int]]:
-    shape, offset = spec.local_shape_and_offset(coord)
-    return [(o, o + s) for o, s in zip(offset, shape)]
+def _blocks(spec, coord) -> list[list[tuple[int, int]]]:
+    """The blocks (per dim one index range) a rank holds: one, or several for a strided shard."""
+    region = spec.local_region(coord)
+    if any(not ivs for ivs in region):  # an empty shard: its (empty) ranges
+        shape, offset = spec.local_shape_and_offset(coord) if not spec.has_strided else (
+            [0] * len(region), [0] * len(region))
+        return [[(o, o + n) for o, n in zip(offset, shape)]]
+    return [list(b) for b in itertools.product(*region)]
+
+
+def _ranges_text(spec, coord) -> str:
+    region = spec.local_region(coord)
+    if not region:
+        return "scalar"
+    if any(not ivs for ivs in region) and not spec.has_strided:
+        shape, offset = spec.local_shape_and_offset(coord)
+        return ", ".join(f"{o}:{o + n}" for o, n in zip(offset, shape))
+    return ", ".join("+".join(f"{a}:{b}" for a, b in ivs) or "0:0" for ivs in region)
 
 
 def visualize_sharding(dt, *, path: str | None = None) -> str:
@@ -358,24 +373,23 @@ def visualize_sharding(dt, *, path: str | None = None) -> str:
     mesh = spec.mesh
     mesh_shape = tuple(mesh.shape)
     ranks = mesh.mesh.flatten().tolist()
-    partial = [i for i, p in enumerate(spec.placements) if not isinstance(p, (_Shard, _Replicate))]
+    partial = [i for i, p in enumerate(spec.placements) if isinstance(p, Partial)]
     lines = [f"DTensor {tuple(spec.shape)} {placements_str(spec.placements)} on mesh {mesh_shape}"]
     table = []
     for k, coord in enumerate(itertools.product(*(range(n) for n in mesh_shape))):
-        rng = _ranges(spec, coord)
-        text = ", ".join(f"{a}:{b}" for a, b in rng) if rng else "scalar"
-        table.append((ranks[k], coord, rng, text))
+        table.append((ranks[k], coord, _blocks(spec, coord), _ranges_text(spec, coord)))
     width = max(len(t[3]) for t in table)
     lines.append(f"{'rank':>4}  {'coord':<{2 + 3 * len(mesh_shape)}}  {'indices':<{width}}")
     for rank, coord, _, text in table:
         note = "  (partial term)" if partial else ""
         lines.append(f"{rank:>4}  {str(coord):<{2 + 3 * len(mesh_shape)}}  {text:<{width}}{note}")
     if spec.ndim == 2:
-        rows = sorted({r[0] for _, _, r, _ in table})
-        cols = sorted({r[1] for _, _, r, _ in table})
+        rows = sorted({b[0] for _, _, bs, _ in table for b in bs})
+        cols = sorted({b[1] for _, _, bs, _ in table for b in bs})
         cells = {}
-        for rank, _, (rr, cc), _ in table:
-            cells.setdefault((rr, cc), []).append(str(rank))
+        for rank, _, bs, _ in table:
+            for rr, cc in bs:
+                cells.setdefault((rr, cc), []).append(str(rank))
         col_text = [f"{a}:{b}" for a, b in cols]
         cw = max([len(c) for c in col_text] + [len(",".join(v)) for v in cells.values()])
         rw = max(len(f"{a}:{b}") for a, b in rows)
@@ -405,8 +419,9 @@ def _draw(table, spec, path: str) -> None:
     fig, ax = plt.subplots(figsize=(5, 5 * max(rows, 1) / max(cols, 1) + 0.5))
     cmap = plt.get_cmap("tab20")
     holders: dict = {}
-    for rank, _, ((r0, r1), (c0, c1)), _ in table:
-        holders.setdefault((r0, r1, c0, c1), []).append(rank)
+    for rank, _, bs, _ in table:
+        for (r0, r1), (c0, c1) in bs:
+            holders.setdefault((r0, r1, c0, c1), []).append(rank)
     for k, ((r0, r1, c0, c1), rs) in enumerate(sorted(holders.items())):
         ax.add_patch(Rectangle((c0, r0), c1 - c0, r1 - r0, facecolor=cmap(k % 20), edgecolor="black"))
         if r1 > r0 and c1 > c0:

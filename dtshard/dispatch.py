@@ -17,6 +17,7 @@ from dtshard import registry
 from dtshard.propagate import Plan, _Slot, lookup, propagate
 from dtshard.redistribute import redistribute_local
 from dtshard.spec import placements_str
+from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
 __all__ = ["dispatch", "clear_cache", "cache_info", "MixedTensorError"]
 
@@ -42,6 +43,62 @@ class MixedTensorError(RuntimeError):
         self.tensor = tensor
 
 
+def _plain_layouts(handler):
+    """``handler`` behind a guard: DTensor arguments that hold strided shards are handed to it
+    redistributed to plain ``Shard`` placements (handlers compute with shard offsets and
+    neighbours, which a strided shard does not have), and arguments the op writes are written
+    back into the caller's strided tensors afterwards.  Plain layouts pass straight through."""
+
+    def guarded(op, args, kwargs):
+        DT = _DT
+        if not any(_holds_strided(a, DT) for a in args) and not any(_holds_strided(v, DT) for v in kwargs.values()):
+            return handler(op, args, kwargs)
+        swapped: list = []  # (original, plain copy)
+
+        def plain(a):
+            if isinstance(a, DT) and a._spec.has_strided:
+                target = tuple(Shard(p.dim) if type(p) is _StridedShard else p for p in a._spec.placements)
+                b = DT(_redistribute_input(op, a, target), a._spec.with_placements(target), requires_grad=False)
+                swapped.append((a, b))
+                return b
+            if isinstance(a, (list, tuple)) and any(isinstance(x, DT) for x in a):
+                return type(a)(plain(x) for x in a)
+            return a
+
+        pargs = tuple(plain(a) for a in args)
+        pkwargs = {k: plain(v) for k, v in kwargs.items()}
+        out = handler(op, pargs, pkwargs)
+        written = {a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+        if written:
+            names = [a.name for a in op._schema.arguments]
+            bound = dict(zip(names, pargs))
+            bound.update(pkwargs)
+            targets = {id(v) for n, v in bound.items() if n in written}
+            for orig, copy in swapped:
+                if id(copy) in targets:
+                    back = redistribute_local(copy._local_tensor, copy._spec, orig._spec.placements)
+                    orig._local_tensor.copy_(back)
+        back_map = {id(b): a for a, b in swapped}
+
+        def restore(o):
+            if isinstance(o, (list, tuple)):
+                return type(o)(restore(x) for x in o)
+            return back_map.get(id(o), o)
+
+        return restore(out)
+
+    guarded.__wrapped__ = handler
+    return guarded
+
+
+def _holds_strided(a, DT) -> bool:
+    if isinstance(a, DT):
+        return a._spec.has_strided
+    if isinstance(a, (list, tuple)):
+        return any(isinstance(x, DT) and x._spec.has_strided for x in a)
+    return False
+
+
 _handlers: dict[int, Any] = {}  # id(op) -> handler, mirrors registry.handlers
 
 
@@ -51,7 +108,8 @@ def clear_cache(*, plans: bool = True) -> None:
     if plans:
         _cache.clear()
     _handlers.clear()
-    _handlers.update({id(op): fn for op, fn in registry.handlers.items()})
+    _handlers.update({id(op): fn if op in registry.strided_handlers or op not in registry._entries
+                      else _plain_layouts(fn) for op, fn in registry.handlers.items()})
 
 
 registry._on_change.append(clear_cache)
@@ -393,3 +451,4 @@ def _wrap(out, specs, DT):
         return type(out)(_wrap(o, specs, DT) for o in out)
     next(specs)  # None or non-tensor output
     return out
+

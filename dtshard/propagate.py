@@ -30,8 +30,9 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from dtshard import redistribute as R
 from dtshard.registry import OpCall, RuleEntry, get_entry
-from dtshard.spec import (DTensorSpec, TensorMeta, contiguous_strides, local_shape_and_offset, mesh_identity,
-                          placements_equal, placements_str)
+from dtshard.spec import (DTensorSpec, TensorMeta, contiguous_strides, is_shard, is_strided, local_region,
+                          local_shape, mesh_identity, placements_equal, placements_str, split_factor)
+from torch.distributed.tensor.placement_types import _StridedShard
 
 __all__ = ["Plan", "propagate", "NoRuleError", "RuleError", "config"]
 
@@ -252,6 +253,12 @@ def _all_replicate(strategy) -> bool:
     return all(type(p) is Replicate for group in strategy for p in group)
 
 
+#: ops whose rule may return strided shards: views, for which the planner checks EXACTLY, rank by
+#: rank, that the input's elements are the output's (_view_regions_match)
+_EXACT_VIEWS = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
+                          torch.ops.aten.view_copy.default})
+
+
 def _check_strategy(op, strat, n_in, n_out, in_metas, out_metas, source) -> tuple:
     try:
         outs, ins = strat
@@ -269,9 +276,14 @@ def _check_strategy(op, strat, n_in, n_out, in_metas, out_metas, source) -> tupl
         t = type(p)  # exact-type tests first: isinstance on placement classes is slow (a metaclass hook)
         if t is Replicate or t is Partial:
             continue
-        if t is not Shard and not isinstance(p, (Shard, Replicate, Partial)):
+        if t is _StridedShard:
+            if op not in _EXACT_VIEWS:
+                raise RuleError(
+                    f"the rule for {op} ({source}) returned {p!r}: only view rules may return strided "
+                    "shards (the planner carries other rules' Shard strategies over to strided inputs)")
+        elif t is not Shard and not isinstance(p, (Shard, Replicate, Partial)):
             raise RuleError(f"the rule for {op} ({source}) returned {p!r}, not a placement")
-        if isinstance(p, Shard) and m is not None and not 0 <= p.dim < len(m):
+        if is_shard(p) and m is not None and not 0 <= p.dim < len(m):
             raise RuleError(
                 f"the rule for {op} ({source}) returned Shard({p.dim}) for a {len(m)}-D tensor"
             )
@@ -347,7 +359,9 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
         call = OpCall(op=_functional_of(op)[0] if mode != "functional" else op,
                       args=tuple(_to_meta_info(a, specs) for a in meta_args),
                       kwargs={k: _to_meta_info(v, specs) for k, v in meta_kwargs.items() if k not in out_names},
-                      tensors=tuple(specs[k].tensor_meta for k in in_ids))
+                      tensors=tuple(specs[k].tensor_meta for k in in_ids),
+                      strided=tuple(tuple((p.dim, split_factor(p)) for p in specs[k].placements if is_strided(p))
+                                    for k in in_ids))
         try:
             raw = list(entry.fn(call))
         except RuleError:
@@ -372,6 +386,8 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
     inplace_view = mode == "inplace" and torch.Tag.inplace_view in op.tags
     # per (input k, the strategy indices that give its target): bytes; combos share them on N-D meshes
     costs: dict = {}
+    carry_strided = any(s.has_strided for s in specs) and op not in _EXACT_VIEWS and not fallback
+    choices = []
     for combo in combos:
         rule_ins = [tuple(strategies[c][1][j] for c in combo) for j in range(len(in_ids))]
         outs = tuple(tuple(strategies[c][0][k] for c in combo) for k in range(n_out))
@@ -379,6 +395,12 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
         for j, k in enumerate(in_ids):
             ins_list[k] = rule_ins[j]
         ins = tuple(ins_list)
+        if carry_strided:
+            variant = _strided_variant(specs, in_ids, ins, outs, gflat, mesh_shape)
+            if variant is not None:
+                choices.append((combo + ("strided",), *variant))
+        choices.append((combo, ins, outs))
+    for combo, ins, outs in choices:
         # an in-place op keeps self where it is; one that changes only metadata (squeeze_, t_, ...)
         # may relabel it (S(1) of (1, n) squeezed is S(0)), any other keeps its placements
         if mode == "inplace" and (not placements_equal(ins[0], src_pl[0]) or (
@@ -423,6 +445,9 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
         in_specs = [s.with_placements(t) for s, t in zip(specs, ins)]
         ok = _check_local(op, meta_args, meta_kwargs, in_specs, out_specs, mesh_shape, shape_args, shapes_fn,
                           local_op)
+        if ok and op in _EXACT_VIEWS and (any(s.has_strided for s in in_specs) or any(
+                o is not None and o.has_strided for o in out_specs)):
+            ok = _view_regions_match(in_specs[0], out_specs[0], mesh_shape)
         considered.append((cost, (ins, outs), ok))  # formatted only when explain() shows it
         if ok:
             from dtshard.collectives import mesh_coordinate  # coordinate of this rank (cached)
@@ -531,16 +556,16 @@ def _check_local(op, meta_args, meta_kwargs, in_specs, out_specs, mesh_shape, sh
     """
     if not config.check_plans:
         return True
-    if all(all(not isinstance(p, Shard) for p in s.placements) for s in in_specs) and all(
-        o is None or all(not isinstance(p, Shard) for p in o.placements) for o in out_specs
+    if all(all(not is_shard(p) for p in s.placements) for s in in_specs) and all(
+        o is None or all(not is_shard(p) for p in o.placements) for o in out_specs
     ):
         return True  # nothing is sharded: local shapes equal global shapes, checked already
     seen = set()
     dtypes = [s.dtype for s in in_specs]
     for coord in itertools.product(*(range(n) for n in mesh_shape)):
-        in_local = tuple(local_shape_and_offset(s.shape, mesh_shape, s.placements, coord)[0] for s in in_specs)
+        in_local = tuple(local_shape(s.shape, mesh_shape, s.placements, coord) for s in in_specs)
         out_local = tuple(
-            None if o is None else local_shape_and_offset(o.shape, mesh_shape, o.placements, coord)[0]
+            None if o is None else local_shape(o.shape, mesh_shape, o.placements, coord)
             for o in out_specs
         )
         key = (in_local, out_local)
@@ -629,3 +654,96 @@ class _SkipRun(Exception):
 def _written_args(op) -> frozenset:
     """Names of the arguments ``op`` writes to (self of an in-place op, out= tensors)."""
     return frozenset(a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write)
+
+
+# ---------------------------------------------------------------------------------------------
+# strided shards (_StridedShard): carrying rules over, checking views exactly
+# ---------------------------------------------------------------------------------------------
+
+
+def _strided_variant(specs, in_ids, ins, outs, gflat, mesh_shape):
+    """The strategy ``(ins, outs)`` carried over to strided inputs, or None.
+
+    Rules speak of ``Shard`` only.  Where an input holds ``_StridedShard(d, sf)`` on mesh dim
+    ``i`` and the strategy asks ``Shard(d)`` of it there, the variant gives EVERY ``Shard`` of that
+    mesh dim (inputs and outputs) the same split factor, so the input stays where it is.  That is
+    correct when the op works element by element along the paired dims, which is what a rule
+    claims when it keeps a dim sharded from input to output with its size unchanged (or contracts
+    it into a Partial): so the variant is kept only if, on every rank, every paired dim has the
+    same size and holds exactly the same global indices.  (Convolutions, pools and the other ops
+    whose shards need their neighbours' rows are handlers, which never see a strided shard:
+    dispatch converts it first.)"""
+    m = len(mesh_shape)
+    ins2 = [list(p) for p in ins]
+    outs2 = [list(o) for o in outs]
+    changed = []
+    for i in range(m):
+        sfs = {split_factor(specs[k].placements[i]) for k in in_ids
+               if is_strided(specs[k].placements[i]) and type(ins[k][i]) is Shard
+               and ins[k][i].dim == specs[k].placements[i].dim}
+        if len(sfs) != 1:
+            continue
+        sf = sfs.pop()
+        for row in (*ins2, *outs2):
+            if type(row[i]) is Shard:
+                row[i] = _StridedShard(row[i].dim, split_factor=sf)
+        changed.append(i)
+    if not changed:
+        return None
+    shapes = [s.shape for s in specs] + [None if o is None else o.shape for o in gflat]
+    rows = ins2 + outs2
+    for i in changed:
+        paired = [(shapes[t], rows[t], rows[t][i].dim) for t in range(len(rows))
+                  if shapes[t] is not None and is_strided(rows[t][i])]
+        if len({sh[d] for sh, _, d in paired}) != 1:
+            return None
+        for coord in itertools.product(*(range(n) for n in mesh_shape)):
+            sets = {local_region(sh, mesh_shape, pl, coord)[d] for sh, pl, d in paired}
+            if len(sets) != 1:
+                return None
+    return tuple(tuple(p) for p in ins2), tuple(tuple(o) for o in outs2)
+
+
+#: a view is checked element by element only up to this many contiguous runs per rank (beyond it
+#: the strided plan is not used: the view redistributes, which is correct, only slower)
+_MAX_RUNS = 1 << 16
+
+
+def _flat_runs(shape, region):
+    """The global row-major flat indices of ``region`` as merged ``[start, stop)`` runs (None when
+    there would be more than _MAX_RUNS)."""
+    nd = len(shape)
+    t = nd - 1
+    while t >= 0 and region[t] == ((0, shape[t]),):
+        t -= 1
+    if t < 0:
+        n = math.prod(shape)
+        return [(0, n)] if n else []
+    inner = math.prod(shape[t + 1:])
+    outer = [[i for lo, hi in region[d] for i in range(lo, hi)] for d in range(t)]
+    count = math.prod(len(o) for o in outer) * len(region[t])
+    if count > _MAX_RUNS:
+        return None
+    strides = [math.prod(shape[d + 1:]) for d in range(nd)]
+    runs = []
+    for idx in itertools.product(*outer):
+        base = sum(i * st for i, st in zip(idx, strides))
+        for lo, hi in region[t]:
+            a, b = base + lo * inner, base + hi * inner
+            if runs and runs[-1][1] == a:
+                runs[-1] = (runs[-1][0], b)
+            elif b > a:
+                runs.append((a, b))
+    return runs
+
+
+def _view_regions_match(in_spec: DTensorSpec, out_spec: DTensorSpec, mesh_shape) -> bool:
+    """Does every rank's output shard of a view hold exactly its input shard's elements?  (A view
+    keeps the row-major order, and a shard lists its elements in global order, so the local view
+    is then the right one.)"""
+    for coord in itertools.product(*(range(n) for n in mesh_shape)):
+        a = _flat_runs(in_spec.shape, local_region(in_spec.shape, mesh_shape, in_spec.placements, coord))
+        b = _flat_runs(out_spec.shape, local_region(out_spec.shape, mesh_shape, out_spec.placements, coord))
+        if a is None or b is None or a != b:
+            return False
+    return True

@@ -36,7 +36,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from dtshard import collectives as C
 from dtshard import layout as L
 from dtshard._trace import copy_observers, note_copy
-from dtshard.spec import (DTensorSpec, _itemsize, chunk_range, chunk_sizes, is_shard, is_strided, local_shape,
+from dtshard.spec import (DTensorSpec, _itemsize, chunk_range, chunk_sizes, is_strided, local_shape,
                           placement_equal, placement_str, placements_str)
 
 __all__ = ["Step", "GroupStep", "plan", "plan_text", "redistribute_local", "transition_cost"]

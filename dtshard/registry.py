@@ -56,6 +56,11 @@ class OpCall:
     args: tuple
     kwargs: dict
     tensors: tuple[TensorMeta, ...]  # the DTensor args, flattened in argument order
+    #: per DTensor arg (as ``tensors``): the ``(dim, split_factor)`` of each strided shard it
+    #: holds now (``_StridedShard``); empty for plain layouts.  Only rules that can keep a strided
+    #: shard in a new form (view's merges and splits) need it: every other rule's ``Shard``
+    #: strategies are carried over to strided inputs by the planner (see propagate.py).
+    strided: tuple[tuple[tuple[int, int], ...], ...] = ()
 
     def arg(self, index: int, name: str, default: Any = None) -> Any:
         """Positional-or-keyword argument lookup (aten schemas allow both)."""
@@ -76,11 +81,17 @@ class RuleEntry:
     #: (the call's TensorMetas), exactly as its meta kernel would give them, raising where it
     #: would raise.  Lets propagation skip the meta-kernel runs (the cost of a cache miss).
     meta: Callable | None = None
+    #: a handler that takes strided shards (``_StridedShard``) as they are: it works only through
+    #: DTensor ops or in a layout-free way.  Any other handler gets its DTensor arguments with
+    #: strided shards converted to plain ``Shard`` first (dispatch._plain_layouts).
+    keeps_strided: bool = False
 
 
 _entries: dict[torch._ops.OpOverload, RuleEntry] = {}
 #: op -> handler function, for the dispatcher's first lookup (kept in sync with _entries)
 handlers: dict[torch._ops.OpOverload, Callable] = {}
+#: the handlers registered with ``keeps_strided=True``
+strided_handlers: set = set()
 # Called after every registration change (the dispatcher clears its plan cache).
 _on_change: list[Callable[[], None]] = []
 
@@ -93,6 +104,8 @@ def _changed(*, plans: bool = True) -> None:
     """Rebuild the handler table; ``plans=False``: no rule changed, cached plans stay valid."""
     handlers.clear()
     handlers.update({op: e.fn for op, e in _entries.items() if e.kind == "handler"})
+    strided_handlers.clear()
+    strided_handlers.update(op for op, e in _entries.items() if e.kind == "handler" and e.keeps_strided)
     for scope in _scoped:
         handlers.update(scope)
     for fn in _on_change:
@@ -104,7 +117,7 @@ def _where(fn: Callable) -> str:
     return f"{code.co_filename}:{code.co_firstlineno}" if code else repr(fn)
 
 
-def _register(ops, fn, kind, shape_args=None, local=None, meta=None) -> None:
+def _register(ops, fn, kind, shape_args=None, local=None, meta=None, keeps_strided=False) -> None:
     if isinstance(ops, torch._ops.OpOverload):
         ops = [ops]
     for op in ops:
@@ -118,7 +131,7 @@ def _register(ops, fn, kind, shape_args=None, local=None, meta=None) -> None:
                 f"a {old.kind} for {op} is already registered at {old.source}; one op has one rule. "
                 f"Edit that one, or use dtshard.registry.override() in tests."
             )
-        _entries[op] = RuleEntry(op, fn, kind, dict(shape_args or {}), _where(fn), local, meta)
+        _entries[op] = RuleEntry(op, fn, kind, dict(shape_args or {}), _where(fn), local, meta, keeps_strided)
     _changed()
 
 
@@ -151,12 +164,17 @@ def register_rule(
     return deco
 
 
-def register_handler(ops) -> Callable:
+def register_handler(ops, *, keeps_strided: bool = False) -> Callable:
     """Decorator: ``fn(op, args, kwargs)`` runs the op on DTensor args itself (for ops whose math
-    needs more than a placement choice). It may call other ops on DTensors and redistribute."""
+    needs more than a placement choice). It may call other ops on DTensors and redistribute.
+
+    A handler sees plain layouts only: DTensor arguments holding strided shards are converted to
+    ``Shard`` before it runs (and written arguments converted back after), unless
+    ``keeps_strided=True`` says it handles them (it uses only DTensor ops, or never looks at
+    shard positions)."""
 
     def deco(fn):
-        _register(ops, fn, "handler")
+        _register(ops, fn, "handler", keeps_strided=keeps_strided)
         return fn
 
     return deco

@@ -13,6 +13,7 @@ dim 1 then splits each of those chunks, and so on.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import Sequence
@@ -162,6 +163,15 @@ def take_region(full, region: Region):
     return out
 
 
+@functools.lru_cache(maxsize=4096)
+def _strided_is_blocks(global_shape, mesh_shape, placements) -> bool:
+    """Is every rank's region one block (one interval per dim)?"""
+    import itertools
+
+    return all(len(r) <= 1 for c in itertools.product(*(range(n) for n in mesh_shape))
+               for r in local_region(global_shape, mesh_shape, placements, c))
+
+
 def local_shape_and_offset(
     global_shape: Sequence[int],
     mesh_shape: Sequence[int],
@@ -174,11 +184,13 @@ def local_shape_and_offset(
     raises ValueError (use :func:`local_region`)."""
     if any(type(p) is _StridedShard for p in placements):
         region = local_region(global_shape, mesh_shape, placements, coordinate)
-        if any(len(r) > 1 for r in region):
+        # decided for the whole mesh, not this rank alone: an error on some ranks only would
+        # leave the others waiting in their next collective
+        if not _strided_is_blocks(tuple(global_shape), tuple(mesh_shape), tuple(placements)):
             raise ValueError(
-                f"the shard at mesh coordinate {tuple(coordinate)} of a {tuple(global_shape)} tensor with "
-                f"placements {placements_str(placements)} on mesh {tuple(mesh_shape)} is not one block of "
-                "the global tensor (a strided shard), so it has no single offset; use "
+                f"the shards of a {tuple(global_shape)} tensor with placements {placements_str(placements)} "
+                f"on mesh {tuple(mesh_shape)} are not one block of the global tensor each (a strided "
+                "shard), so they have no single offset; use "
                 "dtshard.spec.local_region, or redistribute to plain Shard placements first")
         return (tuple(r[0][1] - r[0][0] if r else 0 for r in region),
                 tuple(r[0][0] if r else 0 for r in region))

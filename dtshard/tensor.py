@@ -10,6 +10,7 @@ for it runs unchanged, and tensors convert both ways without moving data (:meth:
 from __future__ import annotations
 
 import functools
+import itertools
 import sys
 from typing import Callable, Optional, Sequence
 
@@ -20,7 +21,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from dtshard import collectives as C
 from dtshard.dispatch import bind_tensor_class, dispatch, resolved_local
 from dtshard.redistribute import redistribute_local
-from dtshard.spec import (DTensorSpec, TensorMeta, global_stride_from_local, mesh_identity, normalize_placements,
+from dtshard.spec import (DTensorSpec, TensorMeta, global_stride_from_local, is_shard, mesh_identity, normalize_placements,
                           placements_str)
 
 __all__ = ["DTensor", "distribute_tensor", "distribute_module"]
@@ -253,7 +254,7 @@ class DTensor(torch.Tensor):
         if shape is None:
             gshape = list(local_tensor.shape)
             for i, p in enumerate(placements):
-                if isinstance(p, Shard):
+                if is_shard(p):
                     gshape[p.dim] *= device_mesh.size(i)
             shape = tuple(gshape)
             if stride is None:  # as PyTorch: the global layout follows the local one (a transposed
@@ -333,20 +334,33 @@ class DTensor(torch.Tensor):
                 "reduction); redistribute it to Replicate or Shard first."
             )
 
-    def _chunk(self):
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-
+    def _blocks(self) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+        """This rank's shard as blocks of the global tensor: ``(global offsets, sizes, local
+        offsets)``.  One block for plain layouts; a strided shard that is not one block (a view
+        of merged dims) is the product of its per-dim intervals, each a view of the shard."""
         self._check_checkpointable()
-        sizes, offsets = self._spec.local_shape_and_offset(C.mesh_coordinate(self._spec.mesh))
-        return ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+        region = self._spec.local_region(C.mesh_coordinate(self._spec.mesh))
+        if any(not ivs for ivs in region):  # an empty shard: one empty block
+            return [(tuple(ivs[0][0] if ivs else 0 for ivs in region), tuple(self._local_tensor.shape),
+                     (0,) * len(region))]
+        per_dim = []
+        for ivs in region:
+            pos, opts = 0, []
+            for lo, hi in ivs:
+                opts.append((lo, hi - lo, pos))
+                pos += hi - lo
+            per_dim.append(opts)
+        return [(tuple(o for o, _, _ in c), tuple(n for _, n, _ in c), tuple(lp for _, _, lp in c))
+                for c in itertools.product(*per_dim)]
 
     def __create_write_items__(self, fqn: str, obj):
-        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
         from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-        chunk = self._chunk()
-        return [
-            WriteItem(
+        items = []
+        for offsets, sizes, _ in self._blocks():
+            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+            items.append(WriteItem(
                 index=MetadataIndex(fqn, chunk.offsets),
                 type=WriteItemType.SHARD,
                 tensor_data=TensorWriteData(
@@ -354,15 +368,28 @@ class DTensor(torch.Tensor):
                     properties=TensorProperties.create_from_tensor(self._local_tensor),
                     size=self.size(),
                 ),
-            )
-        ]
+            ))
+        return items
 
     def __create_chunk_list__(self):
-        return [self._chunk()]
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(n)) for o, n, _ in self._blocks()]
 
     def __get_tensor_shard__(self, index):
-        self._check_checkpointable()
-        return self._local_tensor
+        blocks = self._blocks()
+        if len(blocks) == 1:
+            return self._local_tensor
+        want = tuple(index.offset) if index.offset is not None else None
+        for offsets, sizes, local in blocks:
+            if offsets == want:
+                t = self._local_tensor
+                for d, (lo, n) in enumerate(zip(local, sizes)):
+                    if lo != 0 or n != t.shape[d]:
+                        t = t.narrow(d, lo, n)
+                return t
+        raise ValueError(f"dtshard: no block of this rank's shard of {tuple(self.shape)} "
+                         f"{placements_str(self._spec.placements)} starts at {want}")
 
     # ---- interop with torch.distributed.tensor ------------------------------------------
     @staticmethod

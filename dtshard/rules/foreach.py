@@ -174,8 +174,8 @@ def _foreach_norm_handler(op, args, kwargs):
         return out
 
 
-register_handler(_NORMS)(_foreach_norm_handler)
-register_handler([op for op in _foreach_ops() if op not in _NORMS])(_foreach_handler)
+register_handler(_NORMS, keeps_strided=True)(_foreach_norm_handler)
+register_handler([op for op in _foreach_ops() if op not in _NORMS], keeps_strided=True)(_foreach_handler)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,4 +233,4 @@ def _fused_adam_handler(op, args, kwargs):
 
 _FUSED = [op for name in ("_fused_adam_", "_fused_adamw_") for op in (
     getattr(getattr(aten, name, None), ov, None) for ov in ("default", "tensor_lr")) if op is not None]
-register_handler(_FUSED)(_fused_adam_handler)
+register_handler(_FUSED, keeps_strided=True)(_fused_adam_handler)

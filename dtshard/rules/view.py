@@ -11,10 +11,10 @@ being mislabelled.  All views pass Partial through unchanged (they only rearrang
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor.placement_types import Partial, Shard
+from torch.distributed.tensor.placement_types import Partial, Shard, _StridedShard
 
 from dtshard.registry import OpCall, register_handler, register_rule
-from dtshard.rules._common import R, norm_dim
+from dtshard.rules._common import norm_dim
 
 aten = torch.ops.aten
 # views and rearrangements move elements (or fill zeros: a valid term of every reduction, 0 being
@@ -71,7 +71,7 @@ def view_or_copy(op, x, size):
     size-1 or empty shard) may not allow it. Then copy, as reshape would."""
     try:
         return op(x, size)
-    except RuntimeError:
+    except (RuntimeError, ValueError):  # eager raises RuntimeError; fake tensors (compile) ValueError
         return aten._unsafe_view.default(x.contiguous(), size)
 
 
@@ -83,6 +83,7 @@ def view_rule(call: OpCall):
     strategies = _partials()
     if 0 in x.shape or 0 in out_shape:
         return strategies
+    strided_in = call.strided[0] if call.strided else ()
     for ins, outs in view_groups(x.shape, out_shape):
         first_in = next((d for d in ins if x.shape[d] != 1), None)
         first_out = next((d for d in outs if out_shape[d] != 1), None)
@@ -93,7 +94,48 @@ def view_rule(call: OpCall):
             # over the mesh (one rank holds it, the others nothing) stays the same layout as a
             # size-1 dim of the view, so the view keeps aliasing, as in PyTorch
             strategies.append(((Shard(outs[0]),), (Shard(ins[0]),)))
+        strategies.extend(_strided_view_strategies(x.shape, out_shape, ins, outs, first_in, strided_in))
     return strategies
+
+
+def _placement(dim: int, sf: int):
+    return Shard(dim) if sf == 1 else _StridedShard(dim, split_factor=sf)
+
+
+def _strided_view_strategies(in_shape, out_shape, ins, outs, first_in, strided_in):
+    """Shards that a merge or split of dims keeps as strided shards (no data moves).
+
+    Within a group of merged/split dims, a shard of input dim ``i`` (split factor ``sf``) holds,
+    for each of the ``E = sf x (product of the group's dims before i)`` outer blocks of the
+    group, one chunk.  In the output that is a shard of the dim ``j`` whose outer blocks
+    ``P_j`` divide ``E``, with split factor ``E / P_j``: ``(b, h)`` with ``h`` sharded viewed as
+    ``b*h`` is ``_StridedShard(0, split_factor=b)``, and back.  The planner then checks every
+    rank's elements exactly (propagate._view_regions_match), so an uneven split that does not
+    line up is never used."""
+    out = []
+    sfs_of = {}
+    for d, sf in strided_in:
+        sfs_of.setdefault(d, set()).add(sf)
+    for i in ins:
+        if in_shape[i] == 1:
+            continue
+        prefix = 1
+        for k in ins:
+            if k == i:
+                break
+            prefix *= in_shape[k]
+        for sf_in in {1} | sfs_of.get(i, set()):
+            if sf_in == 1 and i == first_in:
+                continue  # the plain strategy above
+            e = prefix * sf_in
+            p_j = 1
+            for j in outs:
+                b = out_shape[j]
+                if b != 1 and p_j <= e < p_j * b and e % p_j == 0 and b % (e // p_j) == 0:
+                    out.append(((_placement(j, e // p_j),), (_placement(i, sf_in),)))
+                    break
+                p_j *= b
+    return out
 
 
 @register_rule([aten.expand.default, aten.expand_copy.default], shape_args={1: 0})
@@ -102,13 +144,15 @@ def expand_rule(call: OpCall):
     size = list(call.arg(1, "size"))
     lead = len(size) - x.ndim
     out_shape = [x.shape[d - lead] if (v == -1 and d >= lead) else v for d, v in enumerate(size)]
+    # An expanded dim is not offered sharded from a Replicate input: a replicated expand is a
+    # free view on every rank, and a later op slices whatever shard it needs for free, whereas
+    # picking a shard here (blindly: the next op's layout is unknown) can force that op to move
+    # it (the gradient of a sum, expanded, then viewed like a strided activation).
     strategies = _partials()
     for d in range(len(out_shape)):
         xd = d - lead
         if xd >= 0 and x.shape[xd] == out_shape[d]:
             strategies.append(((Shard(d),), (Shard(xd),)))
-        else:  # an expanded dim: each rank expands to its own chunk
-            strategies.append(((Shard(d),), (R,)))
     return strategies
 
 
@@ -164,7 +208,7 @@ _SQUEEZE_AS_DIMS = {
 }
 
 
-@register_handler(list(_SQUEEZE_AS_DIMS))
+@register_handler(list(_SQUEEZE_AS_DIMS), keeps_strided=True)
 def squeeze_global_dims(op, args, kwargs):
     """``squeeze()`` / ``squeeze(dim)`` drop the dims of size 1 of the GLOBAL tensor; run on a
     shard they would also drop a dim whose shard happens to have one row (and keep it on the rank

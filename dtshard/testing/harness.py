@@ -41,7 +41,7 @@ Environment knobs (read when a pool is created / a call is made)
 ``DTSHARD_TEST_START_TIMEOUT``   limit for starting a pool, seconds (120)
 ``DTSHARD_TEST_HEALTH_CHECK``    "1": ping the pool before every call (off)
 
-Workers get ``DTSHARD_TESTING=1``, ``OMP_NUM_THREADS=1``,
+Workers get ``DTSHARD_TESTING=1``, ``OMP_NUM_THREADS=1``, one ``PYTHONHASHSEED`` (the parent's, or 0),
 ``torch.set_num_threads(1)``, the parent's ``sys.path`` (re-sent whenever it
 changes, so modules pytest imports later also resolve), and the usual torchrun
 variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
@@ -343,6 +343,11 @@ class WorkerGroup:
         self._store = dist.TCPStore(_HOST, 0, None, is_master=True, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=self.pg_timeout))
         env = {"OMP_NUM_THREADS": "1"}
+        # One string-hash seed for every rank: code that iterates a set of strings (PyTorch's
+        # OpInfo sample generators do) then takes the same path on every rank, as SPMD code must;
+        # with per-process hash randomisation two ranks could build different inputs and enter
+        # different collectives.
+        env["PYTHONHASHSEED"] = os.environ.get("PYTHONHASHSEED") or "0"
         if self.testing:
             env["DTSHARD_TESTING"] = "1"
         if sys.platform.startswith("linux") and "GLOO_SOCKET_IFNAME" not in os.environ:
