@@ -276,12 +276,29 @@ def all_to_all(
         sent = (sum(input_split_sizes) - input_split_sizes[me]) * row
         _notify("all_to_all", mesh_dim, sent, n, (sum(output_split_sizes) - output_split_sizes[me]) * row)
     x = x.contiguous()
+    if x.is_complex():
+        # gloo's all_to_all takes no complex dtype: move the (real, imaginary) pairs instead (a
+        # trailing dim of 2; the splits count dim-0 rows, so they stay the same)
+        out = all_to_all(torch.view_as_real(x), output_split_sizes, input_split_sizes, mesh, mesh_dim) \
+            if not _observers else _quiet_all_to_all(x, output_split_sizes, input_split_sizes, mesh, mesh_dim)
+        return torch.view_as_complex(out)
     pg = _eager_group(mesh, mesh_dim, x)
     if pg is not None:
         out = x.new_empty((sum(output_split_sizes),) + tuple(x.shape[1:]))
         pg.alltoall_base(out, x, list(output_split_sizes), list(input_split_sizes), dist.AllToAllOptions()).wait()
         return out
     return _fc.wait_tensor(_fc.all_to_all_single(x, list(output_split_sizes), list(input_split_sizes), name))
+
+
+def _quiet_all_to_all(x, output_split_sizes, input_split_sizes, mesh, mesh_dim) -> torch.Tensor:
+    """The real-pair all_to_all of a complex ``x``, not reported again to the observers (the call
+    for ``x`` itself already was)."""
+    saved = list(_observers)
+    _observers.clear()
+    try:
+        return all_to_all(torch.view_as_real(x), output_split_sizes, input_split_sizes, mesh, mesh_dim)
+    finally:
+        _observers.extend(saved)
 
 
 def broadcast(x: torch.Tensor, src_index: int, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:

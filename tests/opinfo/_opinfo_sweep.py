@@ -180,8 +180,26 @@ def schemes_for(infos, mesh_ndim: int, cap: int) -> list[str]:
     return out[:cap]
 
 
+def strided_schemes_for(infos, cap: int) -> list[str]:
+    """Schemes with strided shards (1-D mesh): token ``T<d>`` is ``_StridedShard(d, split_factor=2)``
+    (two blocks per rank along ``d``, uneven and empty pieces included), on every tensor shaped
+    like the first one, dims 0 and last."""
+    if not infos:
+        return []
+    prim = next((j for j, (s, _) in enumerate(infos) if len(s) > 0), None)
+    if prim is None:
+        return []
+    pshape = infos[prim][0]
+    out = []
+    for d in sorted({0, len(pshape) - 1}):
+        text = "|".join(f"T{d}" if s == pshape else "R" for s, _ in infos)
+        if text not in out:
+            out.append(text)
+    return out[:cap]
+
+
 def parse_scheme(text: str, n: int, mesh_ndim: int):
-    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 
     if text == "-":
         return []
@@ -193,6 +211,8 @@ def parse_scheme(text: str, n: int, mesh_ndim: int):
                 ps.append(Replicate())
             elif t == "P":
                 ps.append(Partial("sum"))
+            elif t.startswith("T"):
+                ps.append(_StridedShard(int(t[1:]), split_factor=2))
             else:
                 ps.append(Shard(int(t[1:])))
         res.append(ps)
@@ -256,10 +276,10 @@ class _DtshardBackend(_Backend):
             return _values_close(full, ref) if deterministic else ""
         if not local_ok or not deterministic:
             return ""
-        shape, offset = dt._spec.local_shape_and_offset(self.coord)
-        want = ref.detach()
-        for d, (o, n) in enumerate(zip(offset, shape)):
-            want = want.narrow(d, o, n)
+        from dtshard.spec import take_region
+
+        # the region, not an offset: a view may return a strided shard (several blocks per dim)
+        want = take_region(ref.detach(), dt._spec.local_region(self.coord))
         return _values_close(dt._local_tensor, want)
 
 
@@ -328,13 +348,9 @@ def _partial_terms(x: torch.Tensor, n: int, c: int) -> torch.Tensor:
 def _local_part(full, mesh_shape, placements, coord):
     from torch.distributed.tensor.placement_types import Partial
 
-    from dtshard.spec import local_shape_and_offset
+    from dtshard.spec import local_region, take_region
 
-    shape, offset = local_shape_and_offset(tuple(full.shape), mesh_shape, placements, coord)
-    x = full
-    for d, (o, s) in enumerate(zip(offset, shape)):
-        x = x.narrow(d, o, s)
-    x = x.detach().clone()
+    x = take_region(full, local_region(tuple(full.shape), mesh_shape, placements, coord)).detach().clone()
     for i, p in enumerate(placements):
         if isinstance(p, Partial):
             x = _partial_terms(x, mesh_shape[i], coord[i])
@@ -376,9 +392,20 @@ _ATOL = 1e-4
 
 
 def _values_close(got: torch.Tensor, ref: torch.Tensor) -> str:
-    """'' when equal within tolerance, else a short description."""
+    """'' when equal within tolerance, else a short description.  The absolute tolerance scales
+    with the reference's largest magnitude: float32 results of ill-conditioned ops (a
+    ``householder_product`` gradient of size ~100) differ by a few 1e-3 whenever the summation
+    order differs, as the reference itself does from float64; a wrong shard or a misplaced block
+    is off by the values themselves."""
+    ref = ref.detach()
+    scale = 1.0
+    if ref.numel() and (ref.is_floating_point() or ref.is_complex()):
+        mag = ref.abs()
+        finite = mag[torch.isfinite(mag)]
+        if finite.numel():
+            scale = max(1.0, float(finite.max()))
     try:
-        torch.testing.assert_close(got, ref.detach(), rtol=_RTOL, atol=_ATOL, equal_nan=True,
+        torch.testing.assert_close(got, ref, rtol=_RTOL, atol=_ATOL * scale, equal_nan=True,
                                    check_device=False, check_stride=False)
     except AssertionError as e:
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
@@ -439,6 +466,37 @@ def _agree(ok: bool) -> bool:
     t = torch.tensor([0 if ok else 1], dtype=torch.int32)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_CONTROL["group"])
     return int(t.item()) == 0
+
+
+def _as_float64(sample):
+    """The sample with its float32 tensors (and dtype arguments) in float64, requires_grad kept."""
+    def f(t):
+        if isinstance(t, torch.dtype):
+            return torch.float64 if t == torch.float32 else t
+        if t.dtype == torch.float32:
+            return t.double().requires_grad_(t.requires_grad)
+        return t
+
+    return sample.transform(f)
+
+
+def _confirm_in_float64(be, opinfo, sample, scheme, seed, do_backward, res):
+    """A wrong float32 value on some rank: run the case again in float64.  When it then passes on
+    every rank, the float32 difference was rounding (an ill-conditioned op whose float32 reference
+    is itself that far from the float64 value) and the case passes, saying so; otherwise the
+    float32 result stands."""
+    if not any(dt == torch.float32 for _, dt in _tensor_info(sample)):
+        return res
+    try:
+        res64 = _run_case(be, opinfo, _as_float64(sample), scheme, seed, do_backward)
+    except Exception:  # noqa: BLE001
+        res64 = ("error", "", "", "")
+    ok = res64[0] == "pass" and res64[2] in ("pass", "skip", "")
+    if not _agree(ok):
+        return res
+    note = "float32 rounding (equal in float64)"
+    return ("pass" if res[0] == "wrong" else res[0], note if res[0] == "wrong" else res[1],
+            "pass" if res[2] == "wrong" else res[2], note if res[2] == "wrong" else res[3])
 
 
 def _run_case(be, opinfo, sample, scheme: str, seed: int, do_backward: bool) -> tuple[str, str, str, str]:
@@ -515,9 +573,9 @@ def _grad_layout(out, ref):
     """Placements of the output gradient: an output's Shard kept; a replicated output of two or
     more rows gets a gradient sharded on dim 0 (a gradient need not arrive in the output's layout,
     and a formula that assumed so would be wrong), Partial outputs a replicated gradient."""
-    from torch.distributed.tensor.placement_types import Replicate, Shard
+    from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
 
-    ps = [p if type(p) is Shard else Replicate() for p in getattr(out, "placements", [])]
+    ps = [p if type(p) in (Shard, _StridedShard) else Replicate() for p in getattr(out, "placements", [])]
     if ps and all(type(p) is Replicate for p in ps) and ref.dim() >= 1 and ref.shape[0] >= 2:
         ps[-1] = Shard(0)
     return ps
@@ -605,7 +663,8 @@ def _samples(opinfo, key: str):
     return list(opinfo.sample_inputs_func(opinfo, "cpu", torch.float32, opinfo.supports_autograd))
 
 
-def plan_cases(op_keys, mesh_ndim: int, samples_per_op: int, schemes_per_sample: int) -> list[tuple]:
+def plan_cases(op_keys, mesh_ndim: int, samples_per_op: int, schemes_per_sample: int,
+               strided: bool = False) -> list[tuple]:
     """The case list ``[(op, sample index, scheme)]`` (deterministic; runs anywhere)."""
     ops = _op_db()
     cases = []
@@ -616,7 +675,10 @@ def plan_cases(op_keys, mesh_ndim: int, samples_per_op: int, schemes_per_sample:
             cases.append((key, -1, "-"))  # recorded as an error by the worker
             continue
         for i in pick_samples(samples, samples_per_op):
-            for sc in schemes_for(_tensor_info(samples[i]), mesh_ndim, schemes_per_sample):
+            info = _tensor_info(samples[i])
+            schemes = strided_schemes_for(info, schemes_per_sample) if strided else \
+                schemes_for(info, mesh_ndim, schemes_per_sample)
+            for sc in schemes:
                 cases.append((key, i, sc))
     return cases
 
@@ -669,6 +731,9 @@ def run_cases(backend: str, mesh_shape, cases, progress_dir: str, backward: bool
                 sample = cache_samples[si]
                 res = _run_case(be, opinfo, sample, scheme, op_seed(key) + si,
                                 backward and opinfo.supports_autograd)
+                if not _agree("wrong" not in (res[0], res[2])):
+                    res = _confirm_in_float64(be, opinfo, sample, scheme, op_seed(key) + si,
+                                              backward and opinfo.supports_autograd, res)
             except Exception as e:
                 res = ("error", "sweep: " + _reason(e) + " " + traceback.format_exc(limit=-1)[-200:], "", "")
             rec = {"i": idx, "fwd": res[0], "fwd_reason": res[1], "bwd": res[2], "bwd_reason": res[3],
@@ -870,12 +935,17 @@ OPS_2X2 = [
     "nn.functional.group_norm", "prod", "topk", "sort",
 ]
 MESH_2X2 = {"name": "2x2", "mesh": (2, 2), "samples_per_op": 1, "schemes_per_sample": 3, "ops": OPS_2X2}
-CONFIGS = (MESH_2, MESH_2X2)
+#: strided shards (``_StridedShard(d, 2)``) on 2 ranks: what the planner carries over from every
+#: rule's Shard strategies (and the view rules' own strided ones) is checked like everything else
+MESH_2_STRIDED = {"name": "2-strided", "mesh": (2,), "samples_per_op": 2, "schemes_per_sample": 2, "ops": None,
+                  "strided": True}
+CONFIGS = (MESH_2, MESH_2X2, MESH_2_STRIDED)
 
 
 def config_cases(cfg) -> list[tuple]:
     keys = all_op_keys() if cfg["ops"] is None else [k for k in cfg["ops"] if k in _op_db()]
-    return plan_cases(keys, len(cfg["mesh"]), cfg["samples_per_op"], cfg["schemes_per_sample"])
+    return plan_cases(keys, len(cfg["mesh"]), cfg["samples_per_op"], cfg["schemes_per_sample"],
+                      strided=cfg.get("strided", False))
 
 
 def config_signature(cfg) -> dict:

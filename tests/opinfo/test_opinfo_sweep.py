@@ -67,6 +67,11 @@ def test_opinfo_sweep_2x2_mesh():
     _check(S.MESH_2X2)
 
 
+def test_opinfo_sweep_strided_shards():
+    """Every float32 op_db entry on 2 ranks with strided-shard inputs (``_StridedShard(d, 2)``)."""
+    _check(S.MESH_2_STRIDED)
+
+
 def test_known_failures_file_has_reasons_and_no_silent_entries():
     known = _known()
     for name, entry in known["meshes"].items():
