@@ -3,6 +3,8 @@
     python -m dtshard.demo                       # spawns 2 CPU processes (gloo)
     python -m dtshard.demo --steps 10 --world-size 4
     python -m dtshard.demo --model llama         # the Llama-style model of dtshard.models, AdamW
+    python -m dtshard.demo --model llama --fsdp  # the same with FSDP (dtshard.fsdp.fully_shard), 2 ranks
+    python -m dtshard.demo --dp 2 --tp 2         # FSDP x TP on a 2x2 (dp, tp) mesh, 4 ranks
     python -m dtshard.demo --model cnn           # the UNet of dtshard.models, images sharded on H
     torchrun --nproc-per-node 2 -m dtshard.demo  # or let torchrun start the ranks
 
@@ -175,8 +177,9 @@ def _params_summary(ref: nn.Module, model: nn.Module) -> list[tuple]:
 
 
 def dtshard_placements(t) -> str:
-    return "(" + ", ".join(type(p).__name__ + (f"({p.dim})" if isinstance(p, Shard) else "()")
-                           for p in t.placements) + ")"
+    from dtshard.spec import placements_str
+
+    return placements_str(t.placements)
 
 
 def train_worker(cfg: Config, steps: int) -> dict:
@@ -421,23 +424,56 @@ LLAMA_LR = 2e-3
 LLAMA_RTOL = 1e-5
 
 
-def train_llama_worker(steps: int) -> dict:
-    """Train the single-process Llama model and its tensor-parallel copy side by side on this rank."""
+def _llama_mesh(world: int, dp: int):
+    """(dp mesh or None, tp mesh or None) for ``--dp``: 1-D TP (dp = 1), 1-D FSDP (dp = world),
+    or a 2-D ``("dp", "tp")`` mesh for FSDP x TP."""
+    if dp <= 1:
+        return None, init_device_mesh("cpu", (world,))
+    if dp == world:
+        return init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)), None
+    mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "tp"))
+    return mesh["dp"], mesh["tp"]
+
+
+def train_llama_worker(steps: int, dp: int = 1) -> dict:
+    """Train the single-process Llama model and its parallel copy side by side on this rank:
+    tensor + sequence parallel (``dp=1``), FSDP (``dp`` = world), or FSDP x TP on a
+    ``(dp, world // dp)`` mesh.  With FSDP each data-parallel rank trains on its own 2 sequences
+    and the reference on all of them (the global batch)."""
     import dtshard.parallel
+    from dtshard.fsdp import fully_shard
     from dtshard.models import LlamaConfig, Transformer, parallelize
 
     world = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
+    dp_mesh, tp_mesh = _llama_mesh(world, dp)
+    tp = tp_mesh.size() if tp_mesh is not None else 1
     cfg = LlamaConfig()
-    local_output = cfg.n_kv_heads % world == 0  # torchtitan's plan needs whole k/v heads per rank
+    local_output = cfg.n_kv_heads % tp == 0  # torchtitan's plan needs whole k/v heads per rank
     ref = Transformer(cfg)  # deterministic init: identical on every rank
-    model = parallelize(copy.deepcopy(ref), mesh, dtshard.parallel, local_output=local_output)
+    model = copy.deepcopy(ref)
+    if tp_mesh is not None:
+        model = parallelize(model, tp_mesh, dtshard.parallel, local_output=local_output)
+    if dp_mesh is not None:
+        for layer in model.layers:
+            fully_shard(layer, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=LLAMA_LR, foreach=False)
     opt = torch.optim.AdamW(model.parameters(), lr=LLAMA_LR, foreach=False)
     g = torch.Generator().manual_seed(7)
-    tokens = torch.randint(0, cfg.vocab_size, (2, 9), generator=g)  # batch 2, sequence 8 (+1 label)
+    n_dp = dp_mesh.size() if dp_mesh is not None else 1
+    me = dp_mesh.get_local_rank() if dp_mesh is not None else 0
+    tokens = torch.randint(0, cfg.vocab_size, (2 * n_dp, 9), generator=g)  # 2 sequences of 8 (+1) per dp rank
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    mine = slice(2 * me, 2 * me + 2)
     ref_params = dict(ref.named_parameters())
+
+    def global_loss(loss):
+        """The mean of the data-parallel ranks' losses (each over its own sequences)."""
+        if isinstance(loss, dtshard.DTensor):
+            loss = loss.full_tensor()
+        if dp_mesh is None:
+            return loss.item()
+        return dtshard.DTensor.from_local(loss.detach().reshape(1), dp_mesh, [Shard(0)]).full_tensor().mean().item()
 
     rows = []
     for step in range(1, steps + 1):
@@ -447,7 +483,7 @@ def train_llama_worker(steps: int) -> dict:
         t0 = time.perf_counter()
         with CommCounter() as comm:
             with dtshard.parallel.loss_parallel():
-                loss = F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten(0, 1))
+                loss = F.cross_entropy(model(inputs[mine]).flatten(0, 1), labels[mine].flatten(0, 1))
                 loss.backward()
             fwd_bwd = comm.bytes()
             opt.step()
@@ -466,7 +502,7 @@ def train_llama_worker(steps: int) -> dict:
             if scaled > w_scaled:
                 worst = n
             w_abs, w_scaled = max(w_abs, d), max(w_scaled, scaled)
-        loss_val = loss.full_tensor().item()
+        loss_val = global_loss(loss)
         rows.append({
             "step": step, "loss": loss_val, "loss_ref": loss_ref.item(),
             "loss_abs": abs(loss_val - loss_ref.item()), "w_abs": w_abs, "w_scaled": w_scaled,
@@ -476,7 +512,7 @@ def train_llama_worker(steps: int) -> dict:
     params = [(n, tuple(ref_params[n].shape), dtshard_placements(p), tuple(p.to_local().shape))
               for n, p in model.named_parameters() if not n.startswith("layers.") or n.startswith("layers.0.")]
     result = {"rank": dist.get_rank(), "world": world, "rows": rows, "params": params,
-              "local_output": local_output, "cfg": cfg}
+              "local_output": local_output, "cfg": cfg, "dp": n_dp, "tp": tp}
     everyone = [None] * world  # every rank gets every rank's records (torchrun: rank 0 prints them)
     dist.all_gather_object(everyone, result)
     return {"ranks": everyone}
@@ -492,14 +528,20 @@ def report_llama(steps: int, ranks: list[dict], elapsed: float) -> bool:
     """Print the tables of ``--model llama``; return True when every rank matched one process."""
     r0 = ranks[0]
     world, cfg = r0["world"], r0["cfg"]
-    print(f"dtshard {dtshard.__version__} demo: Llama-style model (dtshard.models.Transformer), tensor + "
-          f"sequence parallel on {world} CPU rank{'s' if world > 1 else ''} (gloo), torch {torch.__version__}")
+    dp, tp = r0.get("dp", 1), r0.get("tp", world)
+    how = ("tensor + sequence parallel" if dp == 1 else "FSDP (dtshard.fsdp.fully_shard per layer and root)"
+           if tp == 1 else f"FSDP x TP on a ({dp}, {tp}) (dp, tp) mesh")
+    print(f"dtshard {dtshard.__version__} demo: Llama-style model (dtshard.models.Transformer), {how} on "
+          f"{world} CPU rank{'s' if world > 1 else ''} (gloo), torch {torch.__version__}")
     print(f"model: dim={cfg.dim} layers={cfg.n_layers} heads={cfg.n_heads} kv_heads={cfg.n_kv_heads} "
-          f"ffn={cfg.ffn_hidden} vocab={cfg.vocab_size}; tokens (2, 8); AdamW(lr={LLAMA_LR}); "
-          f"cross_entropy under loss_parallel(); float32")
-    plan = ("torchtitan's: the projections hand local shards to attention/MLP" if r0["local_output"] else
-            f"DTensors throughout ({cfg.n_kv_heads} k/v heads do not split over {world} ranks)")
-    print(f"plan: dtshard.models.tp_plan via dtshard.parallel.parallelize_module; {plan}")
+          f"ffn={cfg.ffn_hidden} vocab={cfg.vocab_size}; tokens ({2 * dp}, 8), 2 sequences per data-parallel "
+          f"rank; AdamW(lr={LLAMA_LR}); cross_entropy under loss_parallel(); float32")
+    if tp > 1:
+        plan = ("torchtitan's: the projections hand local shards to attention/MLP" if r0["local_output"] else
+                f"DTensors throughout ({cfg.n_kv_heads} k/v heads do not split over {tp} ranks)")
+        print(f"plan: dtshard.models.tp_plan via dtshard.parallel.parallelize_module; {plan}")
+    if dp > 1:
+        print(f"data parallel: {dp} ranks; the loss shown is the mean of their losses (= the global batch's)")
     print(f"tolerance: |d loss| <= {LLAMA_RTOL:g}*|loss|, each weight max|d W| <= {LLAMA_RTOL:g}*max|W|")
     print()
     print("parameters (rank 0's shard; the other layers as layers.0):")
@@ -560,9 +602,29 @@ def main(argv: list[str] | None = None) -> int:
                         help="block: the tensor-parallel transformer block (default); llama: the "
                              "Llama-style model with tensor + sequence parallelism and AdamW; cnn: a "
                              "UNet with the images sharded on H (spatial halo exchange)")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="with --model llama: FSDP (fully_shard) over every rank instead of TP")
+    parser.add_argument("--dp", type=int, default=None,
+                        help="with --model llama: data-parallel (FSDP) size; with --tp, FSDP x TP on a 2-D mesh")
+    parser.add_argument("--tp", type=int, default=None, help="with --model llama and --dp: tensor-parallel size")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.world_size < 1:
         parser.error("--steps and --world-size must be >= 1")
+    if (args.fsdp or args.dp or args.tp) and args.model != "llama":
+        args.model = "llama"  # FSDP and FSDP x TP train the Llama model
+    if args.dp is not None or args.tp is not None:
+        dp, tp = (1 if args.dp is None else args.dp), (1 if args.tp is None else args.tp)
+        if dp < 1 or tp < 1:
+            parser.error("--dp and --tp must be >= 1")
+        if not _under_torchrun():
+            args.world_size = dp * tp
+        elif dp * tp != int(os.environ["WORLD_SIZE"]):
+            parser.error(f"--dp {dp} x --tp {tp} != WORLD_SIZE {os.environ['WORLD_SIZE']}")
+        args.dp = dp
+    elif args.fsdp:
+        args.dp = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else args.world_size
+    else:
+        args.dp = 1
     if args.model == "cnn":
         return _main_cnn(args)
     if args.model == "llama":
@@ -615,7 +677,7 @@ def _main_cnn(args) -> int:
 
 def _main_llama(args) -> int:
     return _launch_and_report(
-        "train_llama_worker", (args.steps,), args,
+        "train_llama_worker", (args.steps, args.dp), args,
         ok=lambda results: all(_llama_step_ok([r["rows"][k] for r in results[0]["ranks"]])
                                for k in range(args.steps)),
         report_fn=lambda results, elapsed, world: report_llama(args.steps, results[0]["ranks"], elapsed))
