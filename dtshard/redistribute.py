@@ -65,7 +65,9 @@ class GroupStep:
     ``all_reduce``: Partial on every dim of ``mesh_dims`` -> Replicate (one reduction, one latency);
     ``reduce_scatter``: Partial on them -> Shard(d) on all of them (nested in mesh order);
     ``exchange``: any Shard/Replicate layout -> any other, as one ``all_to_all`` with per-rank split
-    sizes in which each rank receives exactly what its new shard lacks (``dtshard.layout``).
+    sizes in which each rank receives exactly what its new shard lacks (``dtshard.layout``);
+    ``all_gather``: Shard(d) on the innermost mesh dims sharding d -> Replicate on them, as one
+    all_gather (one latency instead of one per mesh dim).
     ``cost``: bytes received by the rank that receives most (the same number on every rank).
     """
 
@@ -254,22 +256,29 @@ def _best_plan(spec: DTensorSpec, src: tuple, dst: tuple) -> tuple:
     (a reduction over all Partial dims at once, then an exchange); single-dim steps win ties (the
     plain collectives need no per-atom packing).  Strided shards move by group steps only (the
     single-dim steps assume each shard is one contiguous chunk of its parent)."""
-    best = None
+    cands = []
     if not _any_strided(src, dst):
         try:
-            steps = _dijkstra(spec, src, dst)
-            best = (_steps_cost(spec, steps), steps)
+            cands.append(_dijkstra(spec, src, dst))
         except ValueError:
             pass
-    for cand in _group_plans(spec, src, dst):
-        c = _steps_cost(spec, cand)
-        if best is None or c < best[0] * (1 - 1e-6) - 1.0:
-            best = (c, cand)
-    if best is None:
+    cands.extend(_group_plans(spec, src, dst))
+    if not cands:
         raise ValueError(
             f"redistribute: no legal path from {placements_str(src)} to {placements_str(dst)} "
             f"for a tensor of shape {tuple(spec.shape)} on a mesh of shape {tuple(spec.mesh_shape)}")
-    return best[1]
+    costs = [_steps_cost(spec, c) for c in cands]
+    least = min(costs)
+    # among the plans that receive the least bytes: the fewest collectives (latencies), then the
+    # fewest exchanges (their per-atom packing costs more CPU than a plain collective's), then the
+    # first found (single-mesh-dim steps first)
+    tied = [k for k, c in enumerate(costs) if c <= least * (1 + 1e-6) + 1.0]
+    k = min(tied, key=lambda k: (_n_collectives(cands[k]), sum(s.kind == "exchange" for s in cands[k]), k))
+    return cands[k]
+
+
+def _n_collectives(steps) -> int:
+    return sum(1 for s in steps if s.kind not in ("slice", "zero"))
 
 
 def _partials_to_reduce(src: tuple, dst: tuple) -> list[int]:
@@ -288,6 +297,8 @@ def _group_plans(spec: DTensorSpec, src: tuple, dst: tuple) -> list[tuple]:
         ex = _exchange_steps(spec, src, dst)
         if ex is not None:
             out.append(ex)
+        if not strided:
+            out.extend(_gather_plans(spec, src, dst))
         return out
     ops = {src[i].reduce_op for i in red}
     if len(ops) != 1 and not ops <= {"sum", "avg"}:
@@ -305,6 +316,44 @@ def _group_plans(spec: DTensorSpec, src: tuple, dst: tuple) -> list[tuple]:
             except ValueError:
                 pass
     return out
+
+
+def _gather_plans(spec: DTensorSpec, src: tuple, dst: tuple) -> list[tuple]:
+    """Plans that start with ONE all_gather over the flattened group of the innermost mesh dims
+    sharding a tensor dim (``(S0, S0) -> (R, R)`` in one collective and one latency, instead of
+    two all_gathers), then go on with single-dim steps."""
+    out = []
+    for d in range(len(spec.shape)):
+        dims = [i for i, p in enumerate(src) if isinstance(p, Shard) and p.dim == d]
+        for k in range(len(dims) - 1):
+            group = tuple(dims[k:])  # a suffix: nothing after it shards d, so it is innermost
+            if not all(type(dst[i]) is not Shard or dst[i].dim != d for i in group):
+                continue  # keep the gather for dims whose target still shards d
+            mid = tuple(_R if i in group else p for i, p in enumerate(src))
+            step = GroupStep(group, src, mid, "all_gather", _flat_gather_costs(spec, src, group))
+            if mid == dst:
+                out.append((step,))
+                continue
+            try:
+                out.append((step, *_dijkstra(spec, mid, dst)))
+            except ValueError:
+                pass
+    return out
+
+
+def _flat_gather_costs(spec: DTensorSpec, src: tuple, group: tuple) -> tuple[float, ...]:
+    """Bytes each rank receives in a flattened all_gather: the k-1 other pieces, each padded to
+    the group's largest (the same padding the collective moves)."""
+    itemsize = _itemsize(spec.dtype)
+    shape, mesh_shape = spec.shape, spec.mesh_shape
+    k = 1
+    for i in group:
+        k *= mesh_shape[i]
+    costs = []
+    for c in _all_coords(mesh_shape):
+        largest = max(L.box_numel(L.rank_box(shape, mesh_shape, src, m)) for m in L.group_coords(mesh_shape, group, c))
+        costs.append((k - 1) * largest * itemsize)
+    return tuple(costs)
 
 
 def _reductions(spec: DTensorSpec, src: tuple, red: tuple):
@@ -619,7 +668,35 @@ def _run_group_step(x: torch.Tensor, spec: DTensorSpec, step: GroupStep, coord) 
         return out
     if step.kind == "exchange":
         return _exchange(x, spec, step, coord)
+    if step.kind == "all_gather":
+        return _flat_all_gather(x, spec, step, coord)
     raise AssertionError(f"unknown group step kind {step.kind}")
+
+
+def _flat_all_gather(x: torch.Tensor, spec: DTensorSpec, step: GroupStep, coord) -> torch.Tensor:
+    """All-gather tensor dim ``d`` over the flattened group of the mesh dims that shard it last:
+    group rank order is the nesting order of their chunks, so the pieces, padded to the largest,
+    concatenate (unpadded) into the parent chunk."""
+    dims = step.mesh_dims
+    d = step.src[dims[0]].dim
+    sizes = [local_shape(spec.shape, spec.mesh_shape, step.src, c)[d]
+             for c in L.group_coords(spec.mesh_shape, dims, coord)]
+    block = max(sizes)
+    if block == 0 or _numel_except(x.shape, d) == 0:
+        return x.new_zeros(_with(x.shape, d, sum(sizes)))
+    if d == 0 and all(v == block for v in sizes):
+        return C.all_gather(x, spec.mesh, dims)  # lands in place
+    if x.shape[d] == block:
+        buf = x.unsqueeze(0)
+    else:
+        _note_padding(spec, d, sizes)
+        buf = _copied("pack", K.pack(x, d, [x.shape[d]], block))
+    gathered = C.all_gather(buf, spec.mesh, dims)  # (k, *block shape)
+    if d == 0:
+        # pieces nest in order with any short ones last in each parent: drop each piece's padding
+        if all(v == block for v in sizes[:-1]) or sum(sizes) == block * len(sizes):
+            return gathered.view(-1, *gathered.shape[2:]).narrow(0, 0, sum(sizes))
+    return _copied("unpack", K.unpack(gathered, d, sizes))
 
 
 _exchange_plans: dict = {}

@@ -200,3 +200,25 @@ def test_minimum_examples():
     assert minimum_received((4, 4), (2, 2), (R, S0), (S0, S0)) == 4  # the quarter a rank lacks
     assert minimum_received((4, 4), (2, 2), (S0, S0), (R, R)) == 12
     assert minimum_received((4, 4), (2, 2), (R, R), (S0, S1)) == 0
+
+
+def _flattened_gathers():
+    mesh = dtshard.init_device_mesh("cpu", (2, 2))
+    out = []
+    for shape in [(8, 6), (3, 4), (7, 5), (4, 3)]:
+        x = torch.arange(float(math.prod(shape))).reshape(shape)
+        d = dtshard.distribute_tensor(x, mesh, [Shard(0), Shard(0)])
+        with dtshard.debug.CommCounter() as comm:
+            y = d.redistribute(mesh, [Replicate(), Replicate()])
+        out.append((shape, torch.equal(y.full_tensor(), x) and torch.equal(y.to_local(), x),
+                    [(r.kind, r.mesh_dim) for r in comm.records]))
+    return out
+
+
+def test_nested_shards_gather_in_one_flattened_all_gather():
+    """(S0, S0) -> (R, R): one all_gather over the flattened 2x2 group (one latency), not two;
+    uneven layouts whose padding sits at the end too (7 rows: pieces 2, 2, 2, 1)."""
+    for rank in run_distributed(_flattened_gathers, 4):
+        for shape, ok, records in rank:
+            assert ok, shape
+            assert records == [("all_gather", (0, 1))], (shape, records)
