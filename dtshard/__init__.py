@@ -10,6 +10,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from dtshard import rules as _rules  # noqa: F401  (registers the built-in rules)
 from dtshard import debug  # noqa: F401  (dtshard.debug.*)
+from dtshard import experimental  # noqa: F401  (dtshard.experimental.implicit_replication)
 from dtshard import composites as _composites
 
 from dtshard.collectives import init_device_mesh
@@ -36,6 +37,7 @@ __all__ = [
     "distribute_module",
     "distribute_tensor",
     "empty",
+    "experimental",
     "full",
     "init_device_mesh",
     "ones",

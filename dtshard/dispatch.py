@@ -304,9 +304,10 @@ def _dispatch_general(op, args: tuple, kwargs: dict):
             mkwargs[k] = _unwrap(op, v, dts, key, DT)
     except MixedTensorError as e:
         in_backward = torch._C._current_autograd_node() is not None
-        if not in_backward and e.tensor.numel() != 1:
+        implicit = implicit_replication_on()
+        if not in_backward and not implicit and e.tensor.numel() != 1:
             raise
-        return _dispatch_general(op, *_promote_plain_args(op, args, kwargs, in_backward))
+        return _dispatch_general(op, *_promote_plain_args(op, args, kwargs, in_backward or implicit))
     try:
         tkey = tuple(key)
         plan = _cache.get(tkey)
@@ -417,6 +418,20 @@ def _set_wrapper_metadata(op, args: tuple, kwargs: dict, plan: Plan) -> None:
     self._spec = plan.out_specs[0]
 
 
+#: depth of dtshard.experimental.implicit_replication() blocks
+_implicit = [0]
+
+
+def implicit_replication_on() -> bool:
+    """Inside ``dtshard.experimental.implicit_replication()`` or PyTorch's own
+    ``torch.distributed.tensor.experimental.implicit_replication()`` (dtshard reads its flag, so
+    code written for PyTorch's DTensor keeps working): plain tensors join ops as Replicate."""
+    if _implicit[0]:
+        return True
+    get = getattr(torch._C, "_get_dtensor_allow_implicit_replication", None)
+    return bool(get()) if get is not None else False
+
+
 def _promote_plain_args(op, args: tuple, kwargs: dict, in_backward: bool) -> tuple[tuple, dict]:
     """Plain tensors (not 0-d) next to DTensors that join the op as Replicate DTensors on the
     mesh of the other arguments:
@@ -425,7 +440,11 @@ def _promote_plain_args(op, args: tuple, kwargs: dict, in_backward: bool) -> tup
       every rank is assumed; decompositions make them, e.g. ``linalg.matrix_rank``'s tolerance);
     - inside a backward formula (the autograd engine is running a node), every plain tensor: it
       was made by autograd itself from metadata (``zeros``, ``_efficientzerotensor``, ... in a
-      derivative formula, or a zero-filled gradient), so it holds the global value on every rank.
+      derivative formula, or a zero-filled gradient), so it holds the global value on every rank;
+    - inside ``implicit_replication()``, every plain tensor (the caller vouches that it holds the
+      same global value on every rank), as PyTorch does.
+
+    ``in_backward`` (or implicit replication) promotes every plain tensor, else only one-element ones.
     """
     from torch.utils._pytree import tree_flatten, tree_unflatten
 

@@ -293,8 +293,16 @@ class DTensor(torch.Tensor):
         placements: Optional[Sequence[Placement]] = None,
         *,
         async_op: bool = False,
+        forward_dtype: Optional[torch.dtype] = None,
+        backward_dtype: Optional[torch.dtype] = None,
     ) -> "DTensor":
-        """Move the data to new placements on the same mesh (differentiable; minimum traffic)."""
+        """Move the data to new placements on the same mesh (differentiable; minimum traffic).
+
+        As in PyTorch: ``forward_dtype`` casts the local shard before the collectives (the result
+        has that dtype: a bf16 all_gather of an fp32 tensor); ``backward_dtype`` casts the
+        gradient before the backward collectives, after which it is cast back to this tensor's
+        dtype (``None``: the backward collectives run in this tensor's dtype).  ``async_op`` is
+        accepted; the collectives complete before this returns (no overlap yet)."""
         mesh = self._spec.mesh
         # under torch.compile the mesh argument is an opaque proxy: the tensor's own mesh rules
         if device_mesh is not None and device_mesh is not mesh and not torch.compiler.is_compiling() \
@@ -307,8 +315,14 @@ class DTensor(torch.Tensor):
         if placements is None:
             raise ValueError("redistribute: pass the target placements")
         placements = normalize_placements(placements, self.dim(), mesh.ndim, what="DTensor.redistribute")
-        if placements == self._spec.placements:
+        if forward_dtype == self.dtype:
+            forward_dtype = None
+        if backward_dtype == self.dtype:
+            backward_dtype = None
+        if placements == self._spec.placements and forward_dtype is None:
             return self
+        if forward_dtype is not None or backward_dtype is not None:
+            return _RedistributeCast.apply(self, placements, forward_dtype, backward_dtype)
         if not (self.requires_grad and torch.is_grad_enabled()):
             src = self._spec
             return DTensor(redistribute_local(resolved_local(self), src, placements), src.with_placements(placements),
@@ -630,6 +644,42 @@ class _Redistribute(torch.autograd.Function):
             grad = _promote_plain(grad, src.mesh, shape=src.shape, what="the gradient of a redistribute")
         target = _grad_placements(src.placements)
         return grad.redistribute(src.mesh, target), None
+
+
+def _with_dtype(spec: DTensorSpec, dtype: torch.dtype) -> DTensorSpec:
+    return DTensorSpec(spec.mesh, spec.placements, spec.shape, spec.stride, dtype)
+
+
+class _RedistributeCast(torch.autograd.Function):
+    """``redistribute`` with ``forward_dtype`` / ``backward_dtype`` (PyTorch's semantics): the
+    local shard is cast before the forward collectives; the gradient is cast to
+    ``backward_dtype`` (default: the input's dtype) before the backward collectives and to the
+    input's dtype after them."""
+
+    @staticmethod
+    def forward(ctx, dt: DTensor, placements, forward_dtype, backward_dtype):
+        src = dt._spec
+        ctx.src, ctx.backward_dtype = src, backward_dtype
+        local = resolved_local(dt)
+        dtype = forward_dtype or src.dtype
+        if local.dtype != dtype:
+            local = local.to(dtype)
+        spec = _with_dtype(src, dtype)
+        out = redistribute_local(local, spec, placements)
+        return DTensor(out, spec.with_placements(placements), requires_grad=dt.requires_grad)
+
+    @staticmethod
+    def backward(ctx, grad):
+        src = ctx.src
+        if not isinstance(grad, DTensor):
+            grad = _promote_plain(grad, src.mesh, shape=src.shape, what="the gradient of a redistribute")
+        wire = ctx.backward_dtype or src.dtype
+        if grad.dtype != wire:
+            grad = grad.to(wire)
+        grad = grad.redistribute(src.mesh, _grad_placements(src.placements))
+        if grad.dtype != src.dtype:
+            grad = grad.to(src.dtype)
+        return grad, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------

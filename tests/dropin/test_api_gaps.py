@@ -480,3 +480,47 @@ def test_from_local_keeps_strides_and_run_check():  # item 10
 
 def test_comm_debug_mode():  # item 13
     assert _run("_comm_debug_checks") == [True] * 4
+
+
+def _implicit_replication_and_dtype_casts():
+    """Items 9 and 6: implicit replication (dtshard's context and PyTorch's own), and
+    ``redistribute(forward_dtype=, backward_dtype=)``, the same code on both libraries."""
+    from torch.distributed.tensor.experimental import implicit_replication as torch_implicit
+
+    mesh = dtshard.init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    full, plain = torch.randn(4, 6), torch.randn(4, 6)
+    out = {}
+    for name, lib in LIBS.items():
+        x = lib.distribute_tensor(full, mesh, [Shard(0)])
+        contexts = [torch_implicit] + ([dtshard.experimental.implicit_replication] if name == "dtshard" else [])
+        for ctx in contexts:
+            with ctx():
+                y = x * plain + plain
+            assert isinstance(y, lib.DTensor) and torch.allclose(y.full_tensor(), full * plain + plain), name
+        try:  # outside the context, mixing raises
+            x * plain
+            raised = False
+        except Exception:  # noqa: BLE001
+            raised = True
+        assert raised, name
+        # forward_dtype: the transition runs in bf16 and returns bf16; backward_dtype: the gradient
+        # travels in float16 and comes back in the input's dtype
+        leaf = lib.distribute_tensor(full, mesh, [Shard(0)]).requires_grad_()
+        rep = leaf.redistribute(mesh, [Replicate()], forward_dtype=torch.bfloat16, backward_dtype=torch.float16)
+        (rep.float() * 3).sum().backward()
+        out[name] = (rep, leaf.grad)
+    (r_ours, g_ours), (r_theirs, g_theirs) = out["dtshard"], out["torch"]
+    _same(r_ours, r_theirs, "redistribute forward_dtype")
+    _same(g_ours, g_theirs, "redistribute backward_dtype gradient")
+    assert r_ours.dtype == torch.bfloat16 and g_ours.dtype == torch.float32
+    # the bytes on the wire are bf16's
+    x = dtshard.distribute_tensor(full, mesh, [Shard(0)])
+    with dtshard.debug.CommCounter() as c:
+        x.redistribute(mesh, [Replicate()], forward_dtype=torch.bfloat16)
+    assert c.bytes() == (dist.get_world_size() - 1) * full.numel() // dist.get_world_size() * 2, c.bytes()
+    return True
+
+
+def test_implicit_replication_and_redistribute_dtypes():  # items 9 and 6
+    assert all(run_distributed(_implicit_replication_and_dtype_casts, 2))

@@ -1,0 +1,309 @@
+#!/usr/bin/env python
+"""FSDP: dtshard.fsdp.fully_shard vs torch.distributed.fsdp.fully_shard, side by side, same work.
+
+    python benchmarks/bench_fsdp.py                   # every config below (2 and 4 gloo ranks)
+    python benchmarks/bench_fsdp.py --configs mlp --steps 10
+
+Each config builds the same model twice from one seed, applies ``fully_shard`` to every block and
+then the root with each library, and trains both with AdamW on the same batches, the steps of the
+two interleaved (A B A B ...) so machine noise hits both alike.  Per training step (forward + loss
++ backward + optimizer step), medians over ``--steps`` measured steps after 2 warm-up steps:
+
+- wall time and process CPU time (``time.process_time``: every thread of the rank, gloo's
+  included), max over ranks of the per-rank medians;
+- collectives and bytes sent per step, counted for both libraries the same way: a dispatch mode
+  that sees every c10d / functional collective op the rank issues;
+- peak memory of a step above what was allocated before it, from the allocation events of
+  ``torch.profiler`` (``profile_memory=True``: every tensor and storage allocation through
+  PyTorch's CPU allocator, the all_gather buffers and storage resizes included; not RSS), the
+  median of 5 profiled steps (it moves by a few MiB with the moment asynchronous collectives
+  finish and free their buffers);
+- the loss after the last step (both must agree: same model, same data).
+
+Configs: ``mlp`` (8 residual MLP blocks, 2 ranks, FSDP), ``llama`` (the Llama model of
+dtshard.models, 2 ranks, FSDP), ``hsdp`` (the MLP on a 2x2 (replicate, shard) mesh, 4 ranks) and
+``fsdp_tp`` (the Llama model, TP on mesh["tp"] then FSDP on mesh["dp"], 2x2, 4 ranks).  Eager
+only: compiling the FSDP step is not implemented in dtshard yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _checkout import import_this_checkout  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+CONFIGS = {"mlp": 2, "llama": 2, "hsdp": 4, "fsdp_tp": 4}  # name -> ranks
+
+
+class _Collectives(TorchDispatchMode):
+    """Counts the collectives a rank issues and the bytes it sends (its input's bytes)."""
+
+    NAMES = {"allgather_": "all_gather", "_allgather_base_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
+             "all_gather_into_tensor": "all_gather", "reduce_scatter_": "reduce_scatter",
+             "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+             "reduce_scatter_tensor": "reduce_scatter", "allreduce_": "all_reduce", "all_reduce": "all_reduce",
+             "alltoall_base_": "all_to_all", "all_to_all_single": "all_to_all", "broadcast_": "broadcast",
+             "broadcast": "broadcast"}
+
+    def __init__(self):
+        super().__init__()
+        self.counts: dict[str, int] = {}
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace in ("c10d", "_c10d_functional"):
+            kind = self.NAMES.get(func._overloadpacket.__name__)
+            if kind is not None:
+                self.counts[kind] = self.counts.get(kind, 0) + 1
+                src = args[1] if func._overloadpacket.__name__ in (
+                    "_allgather_base_", "_reduce_scatter_base_", "alltoall_base_") else args[0]
+                self.bytes += _nbytes(src)
+        return func(*args, **kwargs)
+
+
+def _nbytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(t) for t in x)
+    return 0
+
+
+def _peak_bytes(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    cur = peak = 0
+    for e in events:
+        cur += e.nbytes()
+        peak = max(peak, cur)
+    return peak
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, h: int):
+        super().__init__()
+        self.a = nn.Linear(d, h)
+        self.b = nn.Linear(h, d)
+
+    def forward(self, x):
+        return x + self.b(torch.relu(self.a(x)))
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int = 512, h: int = 1024, n: int = 8):
+        super().__init__()
+        self.inp = nn.Linear(64, d)
+        self.blocks = nn.ModuleList(Block(d, h) for _ in range(n))
+        self.out = nn.Linear(d, 16)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+def _build(config: str, lib: str, dtshard):
+    """(model, step inputs fn, loss fn, data-parallel index) for one library."""
+    from dtshard.models import LlamaConfig, Transformer, parallelize
+
+    world = dist.get_world_size()
+    if lib == "torch":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        import torch.distributed.tensor.parallel as tp_mod
+    else:
+        from dtshard import init_device_mesh
+        from dtshard.fsdp import fully_shard
+        import dtshard.parallel as tp_mod
+    torch.manual_seed(0)
+    if config in ("mlp", "hsdp"):
+        model = MLP()
+        if config == "hsdp":
+            mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh("cpu", (world,))
+        blocks, dp_index, dp_size = model.blocks, dist.get_rank(), world
+    else:
+        cfg = LlamaConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=1024, ffn_hidden=512,
+                          max_seq_len=128)
+        model = Transformer(cfg)
+        if config == "fsdp_tp":
+            mesh2 = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+            model = parallelize(model, mesh2["tp"], tp_mod, local_output=True)
+            mesh = mesh2["dp"]
+            dp_index, dp_size = mesh.get_local_rank(), mesh.size()
+        else:
+            mesh = init_device_mesh("cpu", (world,))
+            dp_index, dp_size = dist.get_rank(), world
+        blocks = model.layers
+    for b in blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, dp_index, dp_size
+
+
+def _batch(config: str, step: int, dp_index: int):
+    g = torch.Generator().manual_seed(1000 + 31 * step + dp_index)
+    if config in ("mlp", "hsdp"):
+        return torch.randn(64, 64, generator=g), torch.randn(64, 16, generator=g)
+    tokens = torch.randint(0, 1024, (4, 65), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _loss(config, model, x, y, lib, dtshard):
+    if config in ("mlp", "hsdp"):
+        return ((model(x) - y) ** 2).mean()
+    if config == "fsdp_tp":
+        tp_mod = __import__("torch.distributed.tensor.parallel", fromlist=["loss_parallel"]) if lib == "torch" \
+            else __import__("dtshard.parallel", fromlist=["loss_parallel"])
+        with tp_mod.loss_parallel():
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(0, 1))
+            loss.backward()
+        return loss
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten(0, 1))
+
+
+def _step(config, model, opt, x, y, lib, dtshard):
+    loss = _loss(config, model, x, y, lib, dtshard)
+    if config != "fsdp_tp":  # loss_parallel's backward runs inside its context
+        loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def _value(loss) -> float:
+    full = getattr(loss, "full_tensor", None)
+    return float((full() if full is not None else loss).detach())
+
+
+def worker(rank, world, configs, steps, port, out_path):
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+    dtshard = import_this_checkout()
+    rows = []
+    for config in configs:
+        libs = {}
+        for lib in ("torch", "dtshard"):
+            model, dp_index, _ = _build(config, lib, dtshard)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            libs[lib] = (model, opt, dp_index)
+        times = {k: [] for k in libs}
+        cpus = {k: [] for k in libs}
+        comm = {}
+        peaks = {}
+        loss = {}
+        for step in range(steps + 2):
+            order = list(libs) if step % 2 == 0 else list(reversed(list(libs)))
+            for lib in order:
+                model, opt, dp_index = libs[lib]
+                x, y = _batch(config, step, dp_index)
+                dist.barrier()
+                if step == 1:  # counted and profiled once (not timed)
+                    with _Collectives() as c:
+                        _step(config, model, opt, x, y, lib, dtshard)
+                    comm[lib] = (dict(c.counts), c.bytes)
+                    continue
+                t0, c0 = time.perf_counter(), time.process_time()
+                loss[lib] = _value(_step(config, model, opt, x, y, lib, dtshard))
+                if step >= 2:
+                    times[lib].append(time.perf_counter() - t0)
+                    cpus[lib].append(time.process_time() - c0)
+        # the peak depends on when asynchronous collectives finish (their buffers are freed then),
+        # so it moves by a few MiB from step to step: the median of 5 profiled steps, interleaved
+        samples = {k: [] for k in libs}
+        for rep in range(5):
+            for lib in (list(libs) if rep % 2 == 0 else list(reversed(list(libs)))):
+                model, opt, dp_index = libs[lib]
+                x, y = _batch(config, rep, dp_index)
+                dist.barrier()
+                samples[lib].append(_peak_bytes(lambda: _step(config, model, opt, x, y, lib, dtshard)))
+        peaks = {k: statistics.median(v) for k, v in samples.items()}
+        rows.append({"config": config, "world": world,
+                     "wall": {k: statistics.median(v) for k, v in times.items()},
+                     "cpu": {k: statistics.median(v) for k, v in cpus.items()},
+                     "comm": comm, "peak": peaks, "loss": loss})
+        del libs
+    everyone = [None] * world
+    dist.all_gather_object(everyone, rows)
+    if rank == 0:
+        import json
+
+        with open(out_path, "w") as fh:
+            json.dump(everyone, fh)
+    dist.destroy_process_group()
+
+
+def _run(world, configs, steps):
+    import json
+    import socket
+    import tempfile
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = os.path.join(tempfile.mkdtemp(), "res.json")
+    mp.spawn(worker, args=(world, configs, steps, port, out), nprocs=world, join=True)
+    with open(out) as fh:
+        return json.load(fh)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated: " + ", ".join(CONFIGS))
+    ap.add_argument("--steps", type=int, default=10, help="measured steps per library (after 2 warm-up)")
+    args = ap.parse_args()
+    configs = [c for c in args.configs.split(",") if c]
+    for c in configs:
+        if c not in CONFIGS:
+            ap.error(f"unknown config {c!r}")
+    print(f"load average at start: {os.getloadavg()[0]:.1f}")
+    results = []
+    for world in sorted({CONFIGS[c] for c in configs}):
+        results += list(zip(*_run(world, [c for c in configs if CONFIGS[c] == world], args.steps)))
+    print("| config | ranks | torch ms | dtshard ms | wall dtshard/torch | CPU dtshard/torch | "
+          "collectives torch | collectives dtshard | MiB sent torch | MiB sent dtshard | "
+          "peak MiB torch | peak MiB dtshard | loss torch | loss dtshard |")
+    print("|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|")
+    for per_rank in results:
+        r0 = per_rank[0]
+        wall = {k: max(r["wall"][k] for r in per_rank) for k in ("torch", "dtshard")}
+        cpu = {k: max(r["cpu"][k] for r in per_rank) for k in ("torch", "dtshard")}
+        peak = {k: max(r["peak"][k] for r in per_rank) for k in ("torch", "dtshard")}
+        sent = {k: max(r["comm"][k][1] for r in per_rank) for k in ("torch", "dtshard")}
+
+        def counts(lib):
+            c = r0["comm"][lib][0]
+            return ", ".join(f"{k} {v}" for k, v in sorted(c.items()))
+
+        print(f"| {r0['config']} | {r0['world']} | {wall['torch'] * 1e3:.1f} | {wall['dtshard'] * 1e3:.1f} | "
+              f"{wall['dtshard'] / wall['torch']:.2f} | {cpu['dtshard'] / cpu['torch']:.2f} | {counts('torch')} | "
+              f"{counts('dtshard')} | {sent['torch'] / 2**20:.2f} | {sent['dtshard'] / 2**20:.2f} | "
+              f"{peak['torch'] / 2**20:.1f} | {peak['dtshard'] / 2**20:.1f} | {r0['loss']['torch']:.6f} | "
+              f"{r0['loss']['dtshard']:.6f} |")
+    print(f"load average at end: {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
