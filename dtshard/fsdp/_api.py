@@ -115,6 +115,17 @@ def _check_tp_param(where: str, fqn: str, p: DTensor, mesh) -> None:
     if tp_mesh.ndim != 1 or any(is_strided(q) or q.is_partial() for q in p._spec.placements):
         raise NotImplementedError(
             f"{desc}: FSDP x TP takes parameters sharded or replicated on a 1-D tensor-parallel mesh")
+    if _tp_mesh_inside(tp_mesh, mesh):
+        # data x spatial (or context) parallelism: the parameter is replicated over a mesh whose
+        # ranks all belong to the FSDP mesh (fully_shard on the flattened (dp, sp) mesh): one
+        # reduce_scatter over all of them reduces the spatial partial gradients and the data-
+        # parallel ones at once
+        if not all(q.is_replicate() for q in p._spec.placements):
+            raise NotImplementedError(
+                f"{where}: {desc} is sharded on a mesh inside the FSDP mesh {tuple(mesh.shape)} "
+                f"{mesh.mesh_dim_names}; only replicated parameters are supported there (data x spatial "
+                "parallelism); for FSDP x TP use fully_shard(module, mesh=mesh['dp'])")
+        return
     same_root = False
     try:
         root_dp, root_tp = mesh._get_root_mesh(), tp_mesh._get_root_mesh()
@@ -131,6 +142,14 @@ def _check_tp_param(where: str, fqn: str, p: DTensor, mesh) -> None:
             "and call fully_shard(module, mesh=mesh['dp'])")
     if p.dim() == 0 or p._local_tensor.dim() == 0:
         raise NotImplementedError(f"{where}: {desc} is 0-dim; FSDP shards dim 0")
+
+
+def _tp_mesh_inside(tp_mesh, mesh) -> bool:
+    """Do all ranks of this rank's group of ``tp_mesh`` belong to its group of ``mesh`` (and the
+    latter is larger)?  From the meshes' rank tables: the same answer on every rank."""
+    tp_ranks = set(tp_mesh.mesh.flatten().tolist())
+    ranks = set(mesh.mesh.flatten().tolist())
+    return tp_ranks <= ranks and len(ranks) > len(tp_ranks) and len(tp_ranks) > 1
 
 
 def _state_of(m, what: str) -> FSDPState:
@@ -260,6 +279,12 @@ def fully_shard(
             if placement is not None and not (getattr(placement, "dim", None) == 0 and type(placement).__name__ == "Shard"):
                 raise NotImplementedError(
                     f"{where}: shard_placement_fn returned {placement!r} for {fqn!r}; only Shard(0) is supported yet")
+    inside = {_tp_mesh_inside(p._spec.mesh, mesh) for _, p, _ in params if isinstance(p, DTensor)}
+    if True in inside and (len(inside) > 1 or any(not isinstance(p, DTensor) for _, p, _ in params)):
+        raise ValueError(
+            f"{where}: some parameters are replicated over a mesh inside the FSDP mesh (data x spatial "
+            "parallelism) and others are not; give every parameter of the module the same layout "
+            "(e.g. distribute_module(module, mesh['sp']) first)")
     tp_meshes = {id(p._spec.mesh._get_root_mesh()) for _, p, _ in params if isinstance(p, DTensor)}
     tp_names = {p._spec.mesh.mesh_dim_names for _, p, _ in params if isinstance(p, DTensor)}
     if len(tp_meshes) > 1 or len(tp_names) > 1:

@@ -68,6 +68,9 @@ class _ParamInfo:
     tp: Optional[tuple] = None
     #: the sharded parameter's spec (global shape, the FSDP placements, with TP's on a 2-D mesh)
     spec: Optional[DTensorSpec] = None
+    #: data x spatial: the parameter is replicated over a mesh INSIDE the FSDP mesh; its gradient
+    #: stays a Partial over that mesh until FSDP's one reduce_scatter over all the ranks
+    tp_inside: bool = False
 
 
 class ParamGroup:
@@ -115,13 +118,22 @@ class ParamGroup:
             _, local_rows = chunk_range(rows, self.W, self.rank)
             numel = math.prod(shape)
             tp = spec = None
+            inside = False
             if isinstance(p, DTensor):
+                from dtshard.fsdp._api import _tp_mesh_inside
+
                 tp = (p._spec.mesh, p._spec.placements, tuple(p.shape))
+                inside = _tp_mesh_inside(p._spec.mesh, self.mesh)
+            if isinstance(p, DTensor) and not inside:
                 spec = _fsdp_tp_spec(self.mesh, p._spec)
-            else:
+            else:  # replicated over the FSDP mesh's inner ranks: FSDP's own layout of the whole tensor
                 spec = DTensorSpec(self.mesh, self.placements, shape, contiguous_strides(shape), p.dtype)
+            if inside:
+                # the spatial ranks hold partial terms of ONE batch's gradient: average over the
+                # data-parallel replicas only
+                self.dp_size = self.mesh.size() // p._spec.mesh.size()
             self.infos.append(_ParamInfo(fqn, owners, shape, row_numel, c * row_numel, shard_off, local_rows,
-                                         full_off, numel, p.requires_grad, tp, spec))
+                                         full_off, numel, p.requires_grad, tp, spec, inside))
             shard_off += c * row_numel
             full_off += numel
         self.S = shard_off

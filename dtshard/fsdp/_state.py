@@ -263,7 +263,15 @@ def _tp_param(local: torch.Tensor, info) -> torch.Tensor:
     from dtshard.tensor import DTensor
 
     mesh, placements, shape = info.tp
-    return DTensor.from_local(local, mesh, placements, shape=shape, stride=contiguous_strides(shape))
+    grad_placements = None
+    if info.tp_inside:
+        # data x spatial: keep the gradient a Partial over the spatial mesh (no all_reduce); FSDP's
+        # reduce_scatter over the whole (dp x sp) mesh sums those terms with the other replicas'
+        from torch.distributed.tensor.placement_types import Partial
+
+        grad_placements = tuple(Partial() for _ in placements)
+    return DTensor.from_local(local, mesh, placements, shape=shape, stride=contiguous_strides(shape),
+                              grad_placements=grad_placements)
 
 
 def _in_backward() -> bool:
