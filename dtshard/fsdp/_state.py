@@ -212,14 +212,16 @@ class FSDPState:
         for s, red in self.ctx.pending:
             if red[2] is not None:
                 s.group.start_replicate_reduce(red)
-        red = g.reduce_grads(grads)
-        if red is not None:
-            self.ctx.pending.append((self, red))
         # a module called twice in one forward has two _Unshard nodes: free the full parameters
-        # only after the last of them, the other's backward may still read them
+        # only after the last of them, the other's backward may still read them.  Free them
+        # BEFORE the gradient buffer is allocated (every node that read them has run: this node
+        # runs once all their gradients exist), so the two are never alive together
         self._live = max(self._live - 1, 0)
         if g.reshard_after_backward and self._live == 0:
             g.reshard()
+        red = g.reduce_grads(grads)
+        if red is not None:
+            self.ctx.pending.append((self, red))
 
     def _end_of_backward(self) -> None:
         """Engine callback, after the whole backward: every gradient is reduced and in place
