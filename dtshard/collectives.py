@@ -223,7 +223,7 @@ def all_gather(x: torch.Tensor, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor
     pg = _eager_group(mesh, mesh_dim, x)
     if pg is not None:
         out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]) if x.dim() else (n,))
-        pg._allgather_base(out, x).wait()
+        _pg_all_gather(pg, out, x, False).wait()
         return out
     return _fc.wait_tensor(_fc.all_gather_into_tensor(x, n, name))
 
@@ -237,9 +237,7 @@ def reduce_scatter(x: torch.Tensor, op: str, mesh: DeviceMesh, mesh_dim: int) ->
     pg = _eager_group(mesh, mesh_dim, x) if op in _REDUCE_OPS else None
     if pg is not None:
         out = x.new_empty((x.shape[0] // n,) + tuple(x.shape[1:]))
-        opts = dist.ReduceScatterOptions()
-        opts.reduceOp = _REDUCE_OPS[op]
-        work = pg._reduce_scatter_base(out, x, opts)
+        work = _pg_reduce_scatter(pg, out, x, op, False)
         del x  # the backend holds what it needs: a packed input the caller let go dies before the wait
         work.wait()
         return out
@@ -360,6 +358,28 @@ def init_process_group(backend: str = "gloo", *, timeout_s: float = 60.0, **kwar
 # ---------------------------------------------------------------------------------------------
 
 
+def _pg_all_gather(pg, out: torch.Tensor, x: torch.Tensor, async_op: bool):
+    """``all_gather_single`` (what ``dist.all_gather_into_tensor`` calls in PyTorch 2.13), else
+    the older ``_allgather_base``."""
+    if hasattr(pg, "all_gather_single"):
+        opts = dist.distributed_c10d.AllgatherOptions()
+        opts.asyncOp = async_op
+        return pg.all_gather_single(out, x, opts)
+    return pg._allgather_base(out, x)
+
+
+def _pg_reduce_scatter(pg, out: torch.Tensor, x: torch.Tensor, op: str, async_op: bool):
+    """``reduce_scatter_single`` (what ``dist.reduce_scatter_tensor`` calls in PyTorch 2.13: on
+    gloo it reduces in place of the input; the older ``_reduce_scatter_base`` first copied the
+    whole input into a staging buffer), else ``_reduce_scatter_base``."""
+    opts = dist.ReduceScatterOptions()
+    opts.reduceOp = _REDUCE_OPS[op]
+    if hasattr(pg, "reduce_scatter_single"):
+        opts.asyncOp = async_op
+        return pg.reduce_scatter_single(out, x, opts)
+    return pg._reduce_scatter_base(out, x, opts)
+
+
 def _finish(work, async_op: bool):
     if async_op:
         return work
@@ -379,7 +399,7 @@ def all_gather_into(out: torch.Tensor, x: torch.Tensor, mesh: DeviceMesh, mesh_d
             f"inputs of {x.numel()} {x.dtype} elements (mesh dim {mesh_dim} of mesh {tuple(mesh.shape)})")
     if _observers:
         _notify("all_gather", mesh_dim, (n - 1) * _nbytes(x), n)
-    return _finish(pg._allgather_base(out, x), async_op)
+    return _finish(_pg_all_gather(pg, out, x, async_op), async_op)
 
 
 def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, op: str, mesh: DeviceMesh, mesh_dim: int, *,
@@ -397,9 +417,7 @@ def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, op: str, mesh: Devic
             f"outputs of {out.numel()} {out.dtype} elements (mesh dim {mesh_dim} of mesh {tuple(mesh.shape)})")
     if _observers:
         _notify("reduce_scatter", mesh_dim, (n - 1) * _nbytes(x) // n, n)
-    opts = dist.ReduceScatterOptions()
-    opts.reduceOp = _REDUCE_OPS[op]
-    return _finish(pg._reduce_scatter_base(out, x, opts), async_op)
+    return _finish(_pg_reduce_scatter(pg, out, x, op, async_op), async_op)
 
 
 def all_reduce_(x: torch.Tensor, op: str, mesh: DeviceMesh, mesh_dim: int, *, async_op: bool = False):
