@@ -6,7 +6,7 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from dtshard import collectives as C
 from dtshard.tensor import DTensor
@@ -52,7 +52,8 @@ class FSDPModule:
     def _fsdp_states(self, recurse: bool) -> list:
         if not recurse:
             return [self._dtshard_fsdp]
-        return [m._dtshard_fsdp for m in self.modules() if isinstance(m, FSDPModule)]
+        # a list of modules shares one state: each state once
+        return list({id(m._dtshard_fsdp): m._dtshard_fsdp for m in self.modules() if isinstance(m, FSDPModule)}.values())
 
     def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
         """All-gather this module's group (one collective); with ``async_op`` return a handle
@@ -207,20 +208,28 @@ def fully_shard(
     ``(_StridedShard(0, split_factor=tp), Shard(0))``, as in PyTorch), the module computes with its
     usual TP DTensors, and the all_gather / reduce_scatter run over the dp mesh dim only.
 
-    Not yet supported (raise): a list of modules, an int ``reshard_after_forward``, placements
+    A list of modules makes ONE group of all their parameters (PyTorch's semantics): gathered when
+    the first of them starts its forward, freed after the last; the list is returned.
+
+    Not yet supported (raise): an int ``reshard_after_forward``, placements
     other than ``Shard(0)`` from ``shard_placement_fn``, ``dp_mesh_dims`` (FSDP on one SPMD
     mesh), HSDP x TP, 0-dim parameters.
     """
-    where = f"fully_shard({type(module).__name__})"
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    where = (f"fully_shard([{', '.join(type(m).__name__ for m in modules)}])" if isinstance(module, (list, tuple))
+             else f"fully_shard({type(module).__name__})")
     # ---- validate everything before touching the module: the same checks on every rank, so a
     # bad call raises everywhere and no collective was issued
-    if isinstance(module, (list, tuple)):
-        raise NotImplementedError("fully_shard: a list of modules is not supported yet; call it on each module")
-    if not isinstance(module, nn.Module):
-        raise ValueError(f"fully_shard: expects an nn.Module, got {type(module).__name__}")
-    if isinstance(module, FSDPModule) or getattr(module, "_dtshard_fsdp", None) is not None:
-        raise ValueError(f"{where}: fully_shard was already applied to this module; apply it once per "
-                         "module (bottom-up: blocks first, then the root)")
+    if not modules:
+        raise ValueError("fully_shard: got an empty list of modules")
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise ValueError(f"fully_shard: expects an nn.Module or a list of them, got {type(m).__name__}")
+        if isinstance(m, FSDPModule) or getattr(m, "_dtshard_fsdp", None) is not None:
+            raise ValueError(f"{where}: fully_shard was already applied to {type(m).__name__}; apply it once per "
+                             "module (bottom-up: blocks first, then the root)")
+    if len({id(m) for m in modules}) != len(modules):
+        raise ValueError(f"{where}: a module appears twice in the list")
     if dp_mesh_dims is not None:
         raise NotImplementedError(f"{where}: dp_mesh_dims (FSDP on an SPMD mesh with TP) is not supported yet")
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
@@ -238,18 +247,21 @@ def fully_shard(
 
     ignored = set(ignored_params or ())
     claimed = set()  # parameters of submodules that already are FSDP groups
-    for sub in module.modules():
-        if sub is not module and getattr(sub, "_dtshard_fsdp", None) is not None:
-            claimed.update(id(p) for p in sub.parameters())
+    for top in modules:
+        for sub in top.modules():
+            if sub is not top and getattr(sub, "_dtshard_fsdp", None) is not None:
+                claimed.update(id(p) for p in sub.parameters())
     owners: dict = {}  # id(param) -> (fqn, param, [(owner, name)])
-    for mname, sub in module.named_modules(remove_duplicate=False):
-        for pname, p in sub._parameters.items():
-            if p is None or id(p) in claimed or p in ignored:
-                continue
-            fqn = f"{mname}.{pname}" if mname else pname
-            entry = owners.setdefault(id(p), (fqn, p, []))
-            if (sub, pname) not in [(o, n) for o, n in entry[2]]:
-                entry[2].append((sub, pname))
+    for k, top in enumerate(modules):
+        prefix = f"[{k}]." if len(modules) > 1 else ""
+        for mname, sub in top.named_modules(remove_duplicate=False):
+            for pname, p in sub._parameters.items():
+                if p is None or id(p) in claimed or p in ignored:
+                    continue
+                fqn = prefix + (f"{mname}.{pname}" if mname else pname)
+                entry = owners.setdefault(id(p), (fqn, p, []))
+                if (sub, pname) not in [(o, n) for o, n in entry[2]]:
+                    entry[2].append((sub, pname))
     params = list(owners.values())
     devices = sorted({str(p.device) for _, p, _ in params})
     if len(devices) > 1:
@@ -302,12 +314,15 @@ def fully_shard(
     if params and params[0][1].device != device:
         with torch.no_grad():
             params = [(fqn, p.to(device), o) for fqn, p, o in params]
-    for buf_owner in module.modules():  # buffers follow the module to the mesh's device (as PyTorch)
-        for k, b in buf_owner._buffers.items():
-            if b is not None and b.device != device:
-                buf_owner._buffers[k] = b.to(device)
-    group = ParamGroup(module, params, mesh, device, mp_policy, offload_policy,
+    for top in modules:
+        for buf_owner in top.modules():  # buffers follow the module to the mesh's device (as PyTorch)
+            for k, b in buf_owner._buffers.items():
+                if b is not None and b.device != device:
+                    buf_owner._buffers[k] = b.to(device)
+    group = ParamGroup(modules[0], params, mesh, device, mp_policy, offload_policy,
                        reshard_after_forward if reshard_after_forward is not None else True)
-    module._dtshard_fsdp = FSDPState(module, group, mp_policy, auto_reshard=reshard_after_forward is None)
-    module.__class__ = _fsdp_class(type(module))
+    state = FSDPState(modules, group, mp_policy, auto_reshard=reshard_after_forward is None)
+    for m in modules:
+        m._dtshard_fsdp = state
+        m.__class__ = _fsdp_class(type(m))
     return module

@@ -21,7 +21,6 @@ import warnings
 from typing import Optional
 
 import torch
-import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -59,10 +58,14 @@ class _Context:
 
 
 class FSDPState:
-    """Attached to a module by ``fully_shard`` (``module._dtshard_fsdp``)."""
+    """Attached to a module by ``fully_shard`` (``module._dtshard_fsdp``); with a list of modules,
+    ONE state (and one group) shared by all of them: the group is gathered when the first of them
+    starts its forward and freed when the last has finished (or at the end of the root's
+    forward, for one that did not run)."""
 
-    def __init__(self, module: nn.Module, group: ParamGroup, mp_policy, auto_reshard: bool):
-        self.module = module
+    def __init__(self, module, group: ParamGroup, mp_policy, auto_reshard: bool):
+        self.modules = list(module) if isinstance(module, (list, tuple)) else [module]
+        self.module = self.modules[0]
         self.group = group
         self.mp = mp_policy
         self.auto_reshard = auto_reshard  # reshard_after_forward=None: decided at lazy init
@@ -71,14 +74,18 @@ class FSDPState:
         self.backward_prefetch: Optional[list] = None
         self._bound: list = []  # (owner, name) entries put in owner.__dict__ for a forward
         self._live = 0  # _Unshard nodes of this iteration whose backward has not run yet
-        self._handles = [module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
-                         module.register_forward_hook(self._post_forward)]
+        self._to_run: set = set()  # a module list: ids of the modules still to run in this forward
+        self._handles = []
+        for m in self.modules:
+            self._handles += [m.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
+                              m.register_forward_hook(self._post_forward)]
 
     # ---- lazy init: the first module whose forward runs is the root -----------------------
     def lazy_init(self) -> None:
         if self.ctx is not None:
             return
-        states = [m._dtshard_fsdp for m in self.module.modules() if getattr(m, "_dtshard_fsdp", None) is not None]
+        states = list({id(m._dtshard_fsdp): m._dtshard_fsdp for m in self.module.modules()
+                       if getattr(m, "_dtshard_fsdp", None) is not None}.values())
         for s in states:
             if s.ctx is not None:
                 raise RuntimeError(
@@ -98,6 +105,10 @@ class FSDPState:
     def _pre_forward(self, module, args, kwargs):
         self.lazy_init()
         ctx = self.ctx
+        if len(self.modules) > 1 and not _in_backward():
+            if self._to_run:  # another module of the list started the group: it is gathered
+                return self._cast_inputs(args, kwargs)
+            self._to_run = {id(m) for m in self.modules}
         if _in_backward():
             # a forward recomputed in backward (activation checkpointing): the group was
             # gathered by its pre-backward hook; only hand the module its parameters
@@ -126,16 +137,34 @@ class FSDPState:
 
     def _post_forward(self, module, args, output):
         ctx = self.ctx
-        self._unbind()
         if self.mp.output_dtype is not None:
             output = tree_map(_caster(self.mp.output_dtype), output)
         if _in_backward():
+            self._unbind()
             return output  # recomputation: the post-backward hook frees the parameters
+        if len(self.modules) > 1:
+            self._to_run.discard(id(module))
+            if self._to_run:  # the list's other modules still run with the gathered parameters
+                self._hook_backward(output)
+                return output
+        self._finish_forward()
         if self.is_root:
             ctx.order_fixed = True
+            for s in ctx.states:  # a module list whose members did not all run: finish it
+                if s is not self and s._to_run:
+                    s._to_run.clear()
+                    s._finish_forward()
+        self._hook_backward(output)
+        return output
+
+    def _finish_forward(self) -> None:
+        self._unbind()
         # without grad no backward will need the full parameters: free them (the root too)
         if self.group.reshard_after_forward or not torch.is_grad_enabled():
             self.group.reshard()
+
+    def _hook_backward(self, output) -> None:
+        """Gather the group again when a gradient reaches this output (the pre-backward hook)."""
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors and torch.is_grad_enabled():
             if any(t._base is not None for t in tensors):
@@ -145,7 +174,6 @@ class FSDPState:
                     "(backward then fails on freed parameters). Use out-of-place ops or .clone() it.",
                     UserWarning, stacklevel=2)
             register_multi_grad_hook(tensors, self._pre_backward, mode="any")
-        return output
 
     def _bind(self, count: bool = True) -> None:
         """Give the module its full parameters for this forward call.  The sharded parameters

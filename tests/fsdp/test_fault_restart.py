@@ -88,3 +88,4 @@ def test_a_dead_rank_fails_fast_and_a_restart_reproduces_the_run(tmp_path):
     resumed = run_distributed(_train, 2, str(tmp_path / "b"), 3, 6)
     for rank in range(2):
         assert resumed[rank] == straight[rank][3:], (resumed[rank], straight[rank][3:])
+
