@@ -87,6 +87,12 @@ class ExchangePlan:
     recvs: tuple[tuple[Transfer, ...], ...]
     keeps: tuple[Transfer, ...]
     any_traffic: bool
+    #: every member sends its WHOLE shard to every other member, and all shards have the same
+    #: number of elements: the exchange is an all_gather of the unpacked shards (no packing on
+    #: the send side), then the same per-atom copies.  ``src_shapes[g]``: member g's shard shape.
+    #: The same answer on every member (decided from every member's layout).
+    gather: bool = False
+    src_shapes: tuple[tuple[int, ...], ...] = ()
 
     def send_sizes(self) -> list[int]:
         return [sum(t.numel for t in ts) for ts in self.sends]
@@ -177,7 +183,13 @@ def exchange_plan(shape, mesh_shape, src, dst, dims: Sequence[int], coord) -> Ex
             else:
                 recvs[p].append(t)
     dst_shape = tuple(sum(hi - lo for lo, hi in ivs) for ivs in tboxes[me])
-    return ExchangePlan(me, dst_shape, tuple(map(tuple, sends)), tuple(map(tuple, recvs)), tuple(keeps), traffic)
+    src_numel = [box_numel(b) for b in sboxes]
+    gather = traffic and len(set(src_numel)) == 1 and src_numel[0] > 0 and all(
+        sum(_atom_numel(a) for a, p in needs[q] if p == r) == src_numel[r]
+        for q in range(len(members)) for r in range(len(members)) if r != q)
+    src_shapes = tuple(tuple(sum(hi - lo for lo, hi in ivs) for ivs in b) for b in sboxes)
+    return ExchangePlan(me, dst_shape, tuple(map(tuple, sends)), tuple(map(tuple, recvs)), tuple(keeps), traffic,
+                        gather, src_shapes)
 
 
 def exchange_costs(shape, mesh_shape, src, dst, dims: Sequence[int]) -> tuple[int, ...] | None:

@@ -715,6 +715,16 @@ def _exchange(x: torch.Tensor, spec: DTensorSpec, step: GroupStep, coord) -> tor
         _region(out, t.dst_slices).copy_(_region(x, t.src_slices))
     if not ep.any_traffic:  # the same answer on every member of the group
         return out
+    if ep.gather:
+        # every member needs every other member's whole shard (a strided gather): one all_gather
+        # of the shards as they are, then each member's atoms copied out of its shard
+        gathered = C.all_gather(x.contiguous().reshape(-1), spec.mesh, step.mesh_dims).view(len(ep.recvs), -1)
+        for g, ts in enumerate(ep.recvs):
+            if ts:
+                shard = gathered[g].view(ep.src_shapes[g])
+                for t in ts:
+                    _region(out, t.dst_slices).copy_(_region(shard, t.src_slices))
+        return out
     pieces = [_region(x, t.src_slices).reshape(-1) for ts in ep.sends for t in ts]
     send = torch.cat(pieces) if pieces else x.new_empty(0)
     recv = C.all_to_all(send, ep.recv_sizes(), ep.send_sizes(), spec.mesh, step.mesh_dims)
