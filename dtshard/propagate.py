@@ -54,6 +54,10 @@ class config:
     #: Reduce a leaf DTensor's Partial gradient once, right after autograd accumulates it, to the
     #: leaf's placements (dtshard.tensor._settle_grads_of), instead of in every optimizer op.
     settle_partial_grads: bool = True
+    #: Partial gradients settled by a plain all_reduce go in buckets of this many bytes, one
+    #: asynchronous all_reduce per bucket (``dtshard.grad_buckets``; DDP's 25 MiB); 0: one
+    #: collective per gradient, right away.
+    grad_bucket_bytes: int = 25 * 2**20
     #: Debug/test switch: also run the meta kernel where a rule's ``meta`` function stands in for
     #: it, and raise RuleError when the two disagree (the OpInfo sweep turns this on).
     verify_meta: bool = False

@@ -98,10 +98,27 @@ def _promote_plain(t: torch.Tensor, mesh: DeviceMesh, placements=None, *, shape=
 
 
 def _settle_grad(param: "DTensor") -> None:
+    """Post-accumulate hook of a leaf DTensor: a Partial gradient is reduced to the parameter's
+    layout, in a bucket with others when that is a plain all_reduce (``dtshard.grad_buckets``),
+    else on its own."""
+    from dtshard import grad_buckets
     from dtshard.propagate import config
 
     grad = param.grad
     if not config.settle_partial_grads or not isinstance(grad, DTensor) or not isinstance(param, DTensor):
+        return
+    gp, pp = grad._spec.placements, param._spec.placements
+    if not any(isinstance(p, Partial) for p in gp) or len(gp) != len(pp):
+        return
+    if grad_buckets.bucket_gradient(param, grad):
+        return
+    _settle_grad_alone(param)
+
+
+def _settle_grad_alone(param: "DTensor") -> None:
+    """Reduce ``param``'s Partial gradient to the parameter's placements now (one redistribute)."""
+    grad = param.grad
+    if not isinstance(grad, DTensor):
         return
     gp, pp = grad._spec.placements, param._spec.placements
     if not any(isinstance(p, Partial) for p in gp) or len(gp) != len(pp):
