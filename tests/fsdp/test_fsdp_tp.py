@@ -93,3 +93,54 @@ def test_fsdp_times_tp_llama_2x2():
         assert layout["layers.0.attention.wq.weight"] == ("(_StridedShard(dim=0, sf=2), Shard(dim=0))", ("dp", "tp"))
         assert layout["layers.0.attention.wo.weight"] == ("(Shard(dim=0), Shard(dim=1))", ("dp", "tp"))
         assert layout["layers.0.attention_norm.weight"] == ("(Shard(dim=0), Replicate())", ("dp", "tp"))
+
+
+def _fsdp_tp_mixed_precision(steps: int = 4):
+    """param_dtype=bf16, reduce_dtype=fp32, FSDP x TP on 2x2: dtshard against PyTorch's own
+    FSDP2 + tensor parallelism (torch.distributed.tensor.parallel) with the same policy."""
+    import torch.distributed.tensor.parallel as torch_tp
+    from torch.distributed.device_mesh import init_device_mesh as torch_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    cfg = LlamaConfig()
+    torch.manual_seed(0)
+    base = Transformer(cfg)
+    mesh = dtshard.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tmesh = torch_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    ours = parallelize(copy.deepcopy(base), mesh["tp"], dtshard.parallel, local_output=True)
+    theirs = parallelize(copy.deepcopy(base), tmesh["tp"], torch_tp, local_output=True)
+    for m, fs, dp in ((ours, fully_shard, mesh["dp"]), (theirs, torch_fully_shard, tmesh["dp"])):
+        for layer in m.layers:
+            fs(layer, mesh=dp, mp_policy=mp)
+        fs(m, mesh=dp, mp_policy=mp)
+    opt = torch.optim.AdamW(ours.parameters(), lr=LR)
+    topt = torch.optim.AdamW(theirs.parameters(), lr=LR)
+    me = mesh["dp"].get_local_rank()
+    g = torch.Generator().manual_seed(7)
+    rows = []
+    for _ in range(steps):
+        tokens = torch.randint(0, cfg.vocab_size, (4, 9), generator=g)
+        x, y = tokens[2 * me:2 * me + 2, :-1], tokens[2 * me:2 * me + 2, 1:]
+        losses = []
+        for model, tp_mod, o in ((ours, dtshard.parallel, opt), (theirs, torch_tp, topt)):
+            with tp_mod.loss_parallel():
+                loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten(0, 1))
+                loss.backward()
+            o.step()
+            o.zero_grad()
+            losses.append(loss.full_tensor().item())
+        rows.append(tuple(losses))
+    err = max((a.full_tensor() - b.full_tensor()).abs().max().item()
+              for a, b in zip(ours.parameters(), theirs.parameters()))
+    dtypes = {str(p.dtype) for p in ours.parameters()}
+    return rows, err, dtypes
+
+
+def test_fsdp_times_tp_mixed_precision_matches_torch():
+    for rows, err, dtypes in run_distributed(_fsdp_tp_mixed_precision, 4, timeout=300):
+        assert dtypes == {"torch.float32"}  # parameters and optimizer state keep their dtype
+        for ours, theirs in rows:
+            assert abs(ours - theirs) <= 2e-3 * abs(theirs), rows  # bf16 compute
+        assert err < 2e-2, err
