@@ -524,3 +524,39 @@ def _implicit_replication_and_dtype_casts():
 
 def test_implicit_replication_and_redistribute_dtypes():  # items 9 and 6
     assert all(run_distributed(_implicit_replication_and_dtype_casts, 2))
+
+
+def _placement_choices():
+    """Item 14: where dtshard's output placement differs from PyTorch's, it is the cheaper correct
+    one (documented in the README); the values agree with PyTorch's and with one process."""
+    mesh = dtshard.init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    full = torch.randn(4, 6)
+    got = {}
+    for name, lib in LIBS.items():
+        x = lib.distribute_tensor(full, mesh, [Shard(1)])
+        with dtshard.debug.CommCounter() as c:
+            sm = torch.softmax(x, dim=1)
+        d = torch.dist(x, x * 2)
+        got[name] = (str(sm.placements), sm.full_tensor(), str(d.placements), d.full_tensor(), c.bytes())
+    ours, theirs = got["dtshard"], got["torch"]
+    # softmax over the sharded dim: dtshard re-shards rows with one all_to_all ((n-1)/n^2 of the
+    # tensor) and keeps the output sharded; PyTorch all-gathers ((n-1)/n) and replicates it
+    assert ours[0] == "(Shard(dim=0),)" and theirs[0] == "(Replicate(),)"
+    assert torch.allclose(ours[1], theirs[1]) and torch.allclose(ours[1], torch.softmax(full, 1))
+    n = dist.get_world_size()
+    assert ours[4] == (n - 1) * full.numel() * 4 // n ** 2, ours[4]
+    # torch.dist: a scalar; dtshard reduces it (one all_reduce of one element), PyTorch leaves a
+    # pending _NormPartial
+    assert ours[2] == "(Replicate(),)" and "Partial" in theirs[2]
+    assert torch.allclose(ours[3], theirs[3]) and torch.allclose(ours[3], torch.dist(full, full * 2))
+    # the backward of a Partial(sum) -> Partial(avg) redistribute: PyTorch raises, dtshard gives
+    # the gradient (Replicate: every term's gradient is the whole gradient)
+    p = dtshard.DTensor.from_local(torch.ones(4, 6), mesh, [Partial("sum")]).detach().requires_grad_()
+    p.redistribute(mesh, [Partial("avg")]).to_local().sum().backward()
+    assert p.grad.placements == (Replicate(),)
+    return True
+
+
+def test_placement_choices_documented():  # item 14
+    assert all(run_distributed(_placement_choices, 2))
