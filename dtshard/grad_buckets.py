@@ -76,6 +76,8 @@ def bucket_gradient(param, grad) -> bool:
     task = torch._C._current_graph_task_id()
     if not cap or task == -1 or torch.compiler.is_compiling():
         return False
+    if type(grad._local_tensor) is not torch.Tensor or C._current_mode() is not None:
+        return False  # traced (compiled autograd, a fake or proxy mode): the graph reduces it itself
     if any(p is param for b in _open.values() for p, _ in b.items):
         return True  # accumulated again before its bucket was issued: the bucket reads it then
     if grad._local_tensor.is_conj() or grad._local_tensor.is_neg():

@@ -598,13 +598,16 @@ def _runtime_entry_points() -> list:
     functions as before: frame strategies decide what happens to frames that run, not what the
     tracer inlines."""
     from dtshard import dispatch as _dispatch
+    from dtshard import grad_buckets as _buckets
 
     return [
         DTensor.__torch_dispatch__, _dispatch.dispatch, _dispatch._dispatch_general,
         DTensor.__new__, DTensor.__tensor_flatten__, DTensor.__tensor_unflatten__,
         DTensor.__coerce_same_metadata_as_tangent__, DTensor.__coerce_tangent_metadata__,
         DTensorSpec.__eq__, DTensorSpec.__hash__,
-        _FromLocal.backward, _ToLocal.backward, _Redistribute.backward, _settle_grad, _grad_as_dtensor,
+        _FromLocal.backward, _ToLocal.backward, _Redistribute.backward, _RedistributeCast.backward,
+        _settle_grad, _grad_as_dtensor,
+        _buckets.flush,  # the engine's end-of-backward callback
     ]
 
 
