@@ -157,9 +157,37 @@ def _eager_group(mesh: DeviceMesh, mesh_dim: int, x: torch.Tensor):
     (no torch.compile, no dispatch mode): eager calls then go straight to the group, which
     skips the functional collectives' Python autograd and registry layers (~40 us a call).
     None otherwise: the functional collectives trace into graphs."""
-    if type(x) is not torch.Tensor or x.is_complex() or torch.compiler.is_compiling() or _current_mode() is not None:
+    if type(x) is not torch.Tensor or x.is_complex() or torch.compiler.is_compiling() or _current_mode() is not None \
+            or _in_flight[0]:
         return None  # complex: the functional ops move them as real views (gloo has no complex)
     return _group_object(mesh, mesh_dim)
+
+
+#: set by :func:`in_flight`: the next functional collective's result is returned unwaited
+_in_flight = [False]
+
+
+class in_flight:
+    """Inside this block, the collectives of this module return their result while still in
+    flight, as PyTorch's ``AsyncCollectiveTensor`` (waited on its first use): what
+    ``redistribute(async_op=True)`` runs its last step under.  Outside any tracing only."""
+
+    def __enter__(self):
+        self.prev = _in_flight[0]
+        _in_flight[0] = not torch.compiler.is_compiling()
+        return self
+
+    def __exit__(self, *exc):
+        _in_flight[0] = self.prev
+        return False
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    if _in_flight[0]:
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+        return AsyncCollectiveTensor(t)  # waits on its first use
+    return _fc.wait_tensor(t)
 
 
 def _notify(kind: str, mesh_dim, nbytes: int, group_size: int, recv: int | None = None) -> None:
@@ -225,7 +253,7 @@ def all_gather(x: torch.Tensor, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor
         out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]) if x.dim() else (n,))
         _pg_all_gather(pg, out, x, False).wait()
         return out
-    return _fc.wait_tensor(_fc.all_gather_into_tensor(x, n, name))
+    return _wait(_fc.all_gather_into_tensor(x, n, name))
 
 
 def reduce_scatter(x: torch.Tensor, op: str, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
@@ -241,7 +269,7 @@ def reduce_scatter(x: torch.Tensor, op: str, mesh: DeviceMesh, mesh_dim: int) ->
         del x  # the backend holds what it needs: a packed input the caller let go dies before the wait
         work.wait()
         return out
-    return _fc.wait_tensor(_fc.reduce_scatter_tensor(x, op, n, name))
+    return _wait(_fc.reduce_scatter_tensor(x, op, n, name))
 
 
 def all_reduce(x: torch.Tensor, op: str, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
@@ -256,7 +284,7 @@ def all_reduce(x: torch.Tensor, op: str, mesh: DeviceMesh, mesh_dim: int) -> tor
         opts.reduceOp = _REDUCE_OPS[op]
         pg.allreduce([out], opts).wait()
         return out
-    return _fc.wait_tensor(_fc.all_reduce(x.contiguous(), op, name))
+    return _wait(_fc.all_reduce(x.contiguous(), op, name))
 
 
 def all_to_all(
@@ -285,7 +313,7 @@ def all_to_all(
         out = x.new_empty((sum(output_split_sizes),) + tuple(x.shape[1:]))
         pg.alltoall_base(out, x, list(output_split_sizes), list(input_split_sizes), dist.AllToAllOptions()).wait()
         return out
-    return _fc.wait_tensor(_fc.all_to_all_single(x, list(output_split_sizes), list(input_split_sizes), name))
+    return _wait(_fc.all_to_all_single(x, list(output_split_sizes), list(input_split_sizes), name))
 
 
 def _quiet_all_to_all(x, output_split_sizes, input_split_sizes, mesh, mesh_dim) -> torch.Tensor:

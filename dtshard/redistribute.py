@@ -743,18 +743,34 @@ def _region(t: torch.Tensor, slices) -> torch.Tensor:
     return t
 
 
-def redistribute_local(x: torch.Tensor, spec: DTensorSpec, dst: Sequence[Placement]) -> torch.Tensor:
-    """Run the planned transition on this rank's local tensor ``x`` (no autograd)."""
+def redistribute_local(x: torch.Tensor, spec: DTensorSpec, dst: Sequence[Placement],
+                       async_op: bool = False) -> torch.Tensor:
+    """Run the planned transition on this rank's local tensor ``x`` (no autograd).  With
+    ``async_op`` the LAST step's collective may still be in flight when this returns (its result
+    an ``AsyncCollectiveTensor``, waited on first use); earlier steps need their data anyway."""
     steps = plan(spec, dst)
     if not steps:
         return x
     coord = C.mesh_coordinate(spec.mesh)
     state = list(spec.placements)
-    for step in steps:
-        if isinstance(step, GroupStep):
-            x = _run_group_step(x, spec, step, coord)
-            state = list(step.dst)
-            continue
-        x = _run_step(x, spec, state, step, coord)
+    for k, step in enumerate(steps):
+        last = async_op and k == len(steps) - 1
+        with C.in_flight() if last else _NO_CONTEXT:
+            if isinstance(step, GroupStep):
+                x = _run_group_step(x, spec, step, coord)
+                state = list(step.dst)
+                continue
+            x = _run_step(x, spec, state, step, coord)
         state[step.mesh_dim] = step.dst
     return x
+
+
+class _NoContext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NO_CONTEXT = _NoContext()

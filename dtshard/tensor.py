@@ -318,8 +318,10 @@ class DTensor(torch.Tensor):
         As in PyTorch: ``forward_dtype`` casts the local shard before the collectives (the result
         has that dtype: a bf16 all_gather of an fp32 tensor); ``backward_dtype`` casts the
         gradient before the backward collectives, after which it is cast back to this tensor's
-        dtype (``None``: the backward collectives run in this tensor's dtype).  ``async_op`` is
-        accepted; the collectives complete before this returns (no overlap yet)."""
+        dtype (``None``: the backward collectives run in this tensor's dtype).  ``async_op``
+        ``True``: the last collective of the transition may still be in flight when this returns
+        (the local shard is PyTorch's ``AsyncCollectiveTensor``, waited on first use), so work
+        in between overlaps it, as with PyTorch's DTensor."""
         mesh = self._spec.mesh
         # under torch.compile the mesh argument is an opaque proxy: the tensor's own mesh rules
         if device_mesh is not None and device_mesh is not mesh and not torch.compiler.is_compiling() \
@@ -342,9 +344,9 @@ class DTensor(torch.Tensor):
             return _RedistributeCast.apply(self, placements, forward_dtype, backward_dtype)
         if not (self.requires_grad and torch.is_grad_enabled()):
             src = self._spec
-            return DTensor(redistribute_local(resolved_local(self), src, placements), src.with_placements(placements),
-                           requires_grad=False)
-        return _Redistribute.apply(self, placements)
+            return DTensor(redistribute_local(resolved_local(self), src, placements, async_op=async_op),
+                           src.with_placements(placements), requires_grad=False)
+        return _Redistribute.apply(self, placements, async_op)
 
     def full_tensor(self, *, grad_placements: Optional[Sequence[Placement]] = None) -> torch.Tensor:
         """The whole global tensor on every rank (all-gathers / all-reduces as needed)."""
@@ -651,10 +653,10 @@ class _ToLocal(torch.autograd.Function):
 
 class _Redistribute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, dt: DTensor, placements):
+    def forward(ctx, dt: DTensor, placements, async_op: bool = False):
         src = dt._spec
         ctx.src = src
-        local = redistribute_local(resolved_local(dt), src, placements)  # conj / neg bits applied
+        local = redistribute_local(resolved_local(dt), src, placements, async_op=async_op)  # conj / neg applied
         return DTensor(local, src.with_placements(placements), requires_grad=dt.requires_grad)
 
     @staticmethod
@@ -663,7 +665,7 @@ class _Redistribute(torch.autograd.Function):
         if not isinstance(grad, DTensor):  # built by autograd from metadata (zeros): the global value
             grad = _promote_plain(grad, src.mesh, shape=src.shape, what="the gradient of a redistribute")
         target = _grad_placements(src.placements)
-        return grad.redistribute(src.mesh, target), None
+        return grad.redistribute(src.mesh, target), None, None
 
 
 def _with_dtype(spec: DTensorSpec, dtype: torch.dtype) -> DTensorSpec:

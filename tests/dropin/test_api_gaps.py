@@ -560,3 +560,33 @@ def _placement_choices():
 
 def test_placement_choices_documented():  # item 14
     assert all(run_distributed(_placement_choices, 2))
+
+
+def _async_redistribute():
+    """Item 6: ``redistribute(async_op=True)`` returns while the last collective is in flight
+    (the local shard is PyTorch's AsyncCollectiveTensor, waited on first use), as PyTorch does;
+    values and gradients are the synchronous ones."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    mesh = dtshard.init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    full = torch.randn(8, 6)
+    out = {}
+    for name, lib in LIBS.items():
+        x = lib.distribute_tensor(full, mesh, [Shard(0)]).requires_grad_()
+        y = x.redistribute(mesh, [Replicate()], async_op=True)
+        in_flight = isinstance(y._local_tensor, AsyncCollectiveTensor)
+        z = (y * 2 + 1).sum()  # first use: waits
+        z.backward()
+        out[name] = (in_flight, z.full_tensor() if hasattr(z, "full_tensor") else z, x.grad.full_tensor())
+        nograd = lib.distribute_tensor(full, mesh, [Shard(1)]).redistribute(mesh, [Shard(0)], async_op=True)
+        out[name] += (isinstance(nograd._local_tensor, AsyncCollectiveTensor), nograd.full_tensor())
+    (i0, z0, g0, j0, f0), (i1, z1, g1, j1, f1) = out["dtshard"], out["torch"]
+    assert i0 and i1, (i0, i1)  # S(0) -> R: one all_gather, still in flight
+    del j0, j1  # S(1) -> S(0) ends with local copies in both libraries (waited there)
+    assert torch.allclose(z0, z1) and torch.allclose(g0, g1) and torch.equal(f0, full) and torch.equal(f1, full)
+    return True
+
+
+def test_async_redistribute():  # item 6
+    assert all(run_distributed(_async_redistribute, 2))
