@@ -223,6 +223,18 @@ def mesh_coordinate(mesh: DeviceMesh) -> tuple[int, ...]:
     return hit[1]
 
 
+def is_member(mesh: DeviceMesh) -> bool:
+    """Is this rank part of ``mesh``?  (A rank outside a sub-mesh runs the same program; its
+    DTensors on that mesh hold empty shards and their ops are no-ops, as in PyTorch.)"""
+    hit = _members.get(id(mesh))
+    if hit is None or hit[0]() is not mesh:
+        return _cache_put(_members, id(mesh), mesh, mesh.get_coordinate() is not None)
+    return hit[1]
+
+
+_members: dict = {}
+
+
 def mesh_dim_rank(mesh: DeviceMesh, mesh_dim: int) -> int:
     return mesh_coordinate(mesh)[mesh_dim]
 

@@ -91,6 +91,71 @@ def _plain_layouts(handler):
     return guarded
 
 
+def _members_only(handler):
+    """``handler`` on this rank's DTensors only when the rank is part of their mesh; on a rank
+    outside it the op is a no-op with PyTorch's default results (:func:`_non_member`)."""
+
+    def guarded(op, args, kwargs):
+        DT = _DT
+        for a in args:
+            if isinstance(a, DT):
+                if not _member(a._spec.mesh):
+                    return _dispatch_general(op, args, kwargs)
+                break
+        return handler(op, args, kwargs)
+
+    guarded.__wrapped__ = handler
+    return guarded
+
+
+def _member(mesh) -> bool:
+    from dtshard.collectives import is_member
+
+    return is_member(mesh)
+
+
+def _non_member(op, margs, mkwargs, specs, args, kwargs):
+    """The op on a rank outside the DTensors' mesh (pipeline stages, TP on one sub-group: every
+    rank runs the same code): nothing is computed or communicated; tensor outputs are DTensors
+    with the op's global shape and an empty local shard (a 0-dim zero for 0-dim outputs), as
+    PyTorch's DTensor gives them, with Replicate placements; ``equal`` is True, other non-tensor
+    results are zero; in-place and ``out=`` ops return their (empty) targets."""
+    from dtshard.propagate import _run_meta
+    from dtshard.spec import DTensorSpec, contiguous_strides
+    from torch.distributed.tensor.placement_types import Replicate
+
+    mode = "functional"
+    if op._schema.is_mutable:
+        mode = "out" if any(a.is_out for a in op._schema.arguments) else "inplace"
+    if mode == "inplace":
+        return args[0]
+    if mode == "out":
+        res = tuple(kwargs[a.name] for a in op._schema.arguments if a.is_out)
+        return res[0] if len(res) == 1 else res
+    if op is torch.ops.aten.equal.default:
+        return True
+    if op is torch.ops.aten._local_scalar_dense.default:  # .item()
+        dtype = specs[0].dtype
+        return False if dtype == torch.bool else 0.0 if dtype.is_floating_point else 0
+    mesh = specs[0].mesh
+    meta = _run_meta(op, margs, mkwargs, [s.shape for s in specs], [s.dtype for s in specs], ())
+
+    def wrap(o):
+        if isinstance(o, torch.Tensor):
+            spec = DTensorSpec(mesh, (Replicate(),) * mesh.ndim, tuple(o.shape), contiguous_strides(o.shape), o.dtype)
+            local = torch.zeros((), dtype=o.dtype) if o.dim() == 0 else torch.empty(0, dtype=o.dtype)
+            return _DT(local, spec, requires_grad=False)
+        if isinstance(o, (list, tuple)):
+            return type(o)(wrap(x) for x in o)
+        if isinstance(o, bool):
+            return True
+        if isinstance(o, (int, float)):
+            return type(o)(0)
+        return o
+
+    return wrap(meta)
+
+
 def _holds_strided(a, DT) -> bool:
     if isinstance(a, DT):
         return a._spec.has_strided
@@ -108,8 +173,8 @@ def clear_cache(*, plans: bool = True) -> None:
     if plans:
         _cache.clear()
     _handlers.clear()
-    _handlers.update({id(op): fn if op in registry.strided_handlers or op not in registry._entries
-                      else _plain_layouts(fn) for op, fn in registry.handlers.items()})
+    _handlers.update({id(op): _members_only(fn if op in registry.strided_handlers or op not in registry._entries
+                                            else _plain_layouts(fn)) for op, fn in registry.handlers.items()})
 
 
 registry._on_change.append(clear_cache)
@@ -314,6 +379,8 @@ def _dispatch_general(op, args: tuple, kwargs: dict):
     except TypeError:  # an unhashable argument: plan without caching
         tkey, plan = None, None
     specs = [d._spec for d in dts]
+    if plan is None and specs and not _member(specs[0].mesh):
+        return _non_member(op, margs, mkwargs, specs, args, kwargs)
     if plan is None:
         if _decomposes(op):
             # from now on the dispatcher's first lookup sends this op straight to its decomposition

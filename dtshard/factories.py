@@ -61,7 +61,9 @@ def _factory(what: str, make_local, size, *, dtype, layout, requires_grad, devic
     built = tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
     stride = contiguous_strides(shape)
     probe = DTensorSpec(mesh, built, shape, stride, dtype or torch.get_default_dtype())
-    local = make_local(probe.local_shape(C.mesh_coordinate(mesh)), dtype, torch.device(mesh.device_type))
+    # a rank outside the mesh holds an empty shard (PyTorch's behaviour)
+    lshape = probe.local_shape(C.mesh_coordinate(mesh)) if C.is_member(mesh) else (0,)
+    local = make_local(lshape, dtype, torch.device(mesh.device_type))
     out = DTensor(local, DTensorSpec(mesh, built, shape, stride, local.dtype), requires_grad=False)
     with torch.no_grad():
         if fill is not None:

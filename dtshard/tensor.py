@@ -282,7 +282,7 @@ class DTensor(torch.Tensor):
         spec = DTensorSpec(device_mesh, tuple(placements), shape, stride, local_tensor.dtype)
         if run_check:
             _check_from_local(local_tensor, spec)
-        elif not torch.compiler.is_compiling():
+        elif not torch.compiler.is_compiling() and C.is_member(device_mesh):
             want = spec.local_shape(C.mesh_coordinate(device_mesh))
             if tuple(local_tensor.shape) != want:
                 raise ValueError(
@@ -340,6 +340,9 @@ class DTensor(torch.Tensor):
             backward_dtype = None
         if placements == self._spec.placements and forward_dtype is None:
             return self
+        if not C.is_member(mesh):  # a rank outside the mesh: nothing moves (PyTorch's behaviour)
+            spec = _with_dtype(self._spec, forward_dtype or self.dtype).with_placements(placements)
+            return DTensor(self._local_tensor.to(spec.dtype), spec, requires_grad=self.requires_grad)
         if forward_dtype is not None or backward_dtype is not None:
             return _RedistributeCast.apply(self, placements, forward_dtype, backward_dtype)
         if not (self.requires_grad and torch.is_grad_enabled()):
@@ -731,6 +734,11 @@ def distribute_tensor(
     placements = normalize_placements(placements, tensor.dim(), device_mesh.ndim, what="distribute_tensor")
     requires_grad = tensor.requires_grad
     full = tensor.detach()
+    if not C.is_member(device_mesh):
+        # a rank outside the mesh holds an empty shard and takes part in no collective (PyTorch)
+        spec = DTensorSpec(device_mesh, tuple(placements), tuple(full.shape), _contiguous_stride(full.shape),
+                           full.dtype)
+        return DTensor(full.new_empty(0), spec, requires_grad=requires_grad)
     if src_data_rank is not None:
         src_coord = _src_coordinate(device_mesh, src_data_rank, tensor, placements)
         for i in reversed(range(device_mesh.ndim)):
