@@ -30,6 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 __all__ = [
+    "ResidualMLP",
     "unet", "unet_params", "unet_stats", "train_unet",
     "LlamaConfig", "Transformer", "tp_plan", "parallelize",
 ]
@@ -38,6 +39,18 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------
 # UNet
 # ---------------------------------------------------------------------------------------------
+
+
+class ResidualMLP(torch.nn.Module):
+    """``x + b(relu(a(x)))``: the residual MLP block the FSDP tests and benchmarks stack."""
+
+    def __init__(self, d: int, h: int):
+        super().__init__()
+        self.a = torch.nn.Linear(d, h)
+        self.b = torch.nn.Linear(h, d)
+
+    def forward(self, x):
+        return x + self.b(torch.relu(self.a(x)))
 
 
 def unet_params(c_in: int = 3, c_out: int = 2, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -18,19 +18,13 @@ import dtshard
 from dtshard import Replicate, Shard
 from dtshard.debug import CommCounter
 from dtshard.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from dtshard.models import ResidualMLP
 from dtshard.testing import run_distributed
 
 N_BLOCKS = 3
 
 
-class Block(nn.Module):
-    def __init__(self, d: int, h: int):
-        super().__init__()
-        self.a = nn.Linear(d, h)
-        self.b = nn.Linear(h, d)
-
-    def forward(self, x):
-        return x + self.b(torch.relu(self.a(x)))
+Block = ResidualMLP
 
 
 class Stack(nn.Module):
