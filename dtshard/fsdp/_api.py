@@ -322,6 +322,11 @@ def fully_shard(
     group = ParamGroup(modules[0], params, mesh, device, mp_policy, offload_policy,
                        reshard_after_forward if reshard_after_forward is not None else True)
     state = FSDPState(modules, group, mp_policy, auto_reshard=reshard_after_forward is None)
+    below = {id(sub._dtshard_fsdp): sub._dtshard_fsdp for top in modules for sub in top.modules()
+             if getattr(sub, "_dtshard_fsdp", None) is not None}
+    for sub in below.values():
+        sub.has_parent = True
+    state.subtree = list(below.values())
     for m in modules:
         m._dtshard_fsdp = state
         m.__class__ = _fsdp_class(type(m))

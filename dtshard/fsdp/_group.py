@@ -265,6 +265,57 @@ class ParamGroup:
         forward's history to its own tensors); TP-local ones for FSDP x TP parameters."""
         return [self.flat_full[i.full_offset:i.full_offset + i.numel].view(i.shape) for i in self.infos]
 
+    # ---- the compiled path (torch.compile: SimpleFSDP's design) ---------------------------
+    def traced_full_params(self, recompute: bool) -> list[torch.Tensor]:
+        """The full parameters as a traceable, differentiable function of the sharded ones: what
+        the forward pre-hook uses under ``torch.compile``, where the eager buffers, work handles
+        and autograd hooks cannot be traced.  The group is still ONE all_gather in forward and
+        ONE reduce_scatter in backward:
+
+            each rank's shards -> padded, concatenated: the flat shard (S elements, cast to the
+            param dtype) -> as a Shard(0) DTensor of W*S elements, redistributed to Replicate
+            (the all_gather) -> to_local with a Partial gradient, so backward is the
+            redistribute Partial -> Shard(0): the reduce_scatter (HSDP: and the all_reduce over
+            the replicate dim) in the reduce dtype -> each parameter cut out of the (W, S) layout.
+
+        Autograd of these ops IS the gradient path: the sharded parameters receive their
+        reduced shards (``Shard(0)`` DTensors) as ``.grad`` with no hook.  With ``recompute``
+        (``reshard_after_forward``) the region runs under activation checkpointing, so the
+        compiled graph frees the full parameters after forward and all-gathers them again in
+        backward instead of saving them."""
+        if not self.infos:
+            return []
+        if recompute and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            return list(checkpoint(self._traced_gather, *self.sharded_params, use_reentrant=False))
+        return list(self._traced_gather(*self.sharded_params))
+
+    def _traced_gather(self, *sharded) -> tuple:
+        from torch.distributed.tensor.placement_types import Partial
+
+        pieces = []
+        for p, info in zip(sharded, self.infos):
+            flat = p.to_local().reshape(-1)
+            if flat.numel() != info.padded:  # a short or empty chunk: zeros up to the padded size
+                flat = torch.nn.functional.pad(flat, (0, info.padded - flat.numel()))
+            pieces.append(flat)
+        flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        n = self.W * self.S
+        spec = DTensorSpec(self.mesh, self.placements, (n,), (1,), flat.dtype)
+        dt = DTensor.from_local(flat, self.mesh, self.placements, shape=spec.shape, stride=spec.stride)
+        full = dt.redistribute(self.mesh, tuple(Replicate() for _ in self.placements),
+                               forward_dtype=self.param_dtype if self.param_dtype != flat.dtype else None,
+                               backward_dtype=self.reduce_dtype)
+        gathered = _ScaleGrad.apply(full.to_local(grad_placements=tuple(Partial() for _ in self.placements)),
+                                    1.0 / self.dp_size).view(self.W, self.S)
+        outs = []
+        for info in self.infos:
+            c = info.padded // info.row_numel if info.row_numel else 0
+            block = gathered[:, info.shard_offset:info.shard_offset + info.padded]
+            outs.append(block.reshape((self.W * c,) + info.shape[1:])[:info.shape[0]])
+        return tuple(outs)
+
     @property
     def has_tp(self) -> bool:
         return any(i.tp is not None for i in self.infos)
@@ -337,6 +388,20 @@ class ParamGroup:
                         # was used outside the module's forward, e.g. in a regularizer)
                         p.grad = p.grad.redistribute(p._spec.mesh, p._spec.placements)
                     p.grad._local_tensor.add_(local)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity in forward; the gradient times ``scale`` (FSDP's average over the data-parallel
+    ranks, applied to the full gradient before it is reduce-scattered)."""
+
+    @staticmethod
+    def forward(ctx, x, scale: float):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.scale, None
 
 
 def _fsdp_tp_spec(dp_mesh, tp_spec: DTensorSpec) -> DTensorSpec:

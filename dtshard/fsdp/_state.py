@@ -75,6 +75,10 @@ class FSDPState:
         self._bound: list = []  # (owner, name) entries put in owner.__dict__ for a forward
         self._live = 0  # _Unshard nodes of this iteration whose backward has not run yet
         self._to_run: set = set()  # a module list: ids of the modules still to run in this forward
+        #: set by a later fully_shard on an enclosing module: this state is not the root (known
+        #: before any forward, which the compiled path needs: it has no lazy init)
+        self.has_parent = False
+        self.subtree: list = []  # the states of the FSDP modules under this one (set likewise)
         self._handles = []
         for m in self.modules:
             self._handles += [m.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
@@ -103,6 +107,8 @@ class FSDPState:
 
     # ---- forward ---------------------------------------------------------------------------
     def _pre_forward(self, module, args, kwargs):
+        if torch.compiler.is_compiling():
+            return self._traced_pre_forward(args, kwargs)
         self.lazy_init()
         ctx = self.ctx
         if len(self.modules) > 1 and not _in_backward():
@@ -139,6 +145,8 @@ class FSDPState:
         ctx = self.ctx
         if self.mp.output_dtype is not None:
             output = tree_map(_caster(self.mp.output_dtype), output)
+        if torch.compiler.is_compiling():
+            return self._traced_post_forward(module, output)
         if _in_backward():
             self._unbind()
             return output  # recomputation: the post-backward hook frees the parameters
@@ -155,6 +163,26 @@ class FSDPState:
                     s._to_run.clear()
                     s._finish_forward()
         self._hook_backward(output)
+        return output
+
+    # ---- under torch.compile: the traced path ----------------------------------------------
+    # Dynamo traces these hooks into the graph.  No buffers, work handles or autograd hooks:
+    # the full parameters are a differentiable function of the sharded ones
+    # (ParamGroup.traced_full_params: one all_gather; its autograd is the one reduce_scatter),
+    # and reshard_after_forward is recomputation (the all_gather runs again in backward).
+    # Prefetch and overlap are the compiler's scheduling of the functional collectives.
+    def _traced_pre_forward(self, args, kwargs):
+        if not self._bound:  # a module list: the first module to run gathers the group
+            reshard = self.has_parent if self.auto_reshard else self.group.reshard_after_forward
+            self._bind_fulls(self.group.traced_full_params(recompute=reshard))
+        return self._cast_inputs(args, kwargs)
+
+    def _traced_post_forward(self, module, output):
+        if len(self.modules) == 1:
+            self._unbind()
+        if not self.has_parent:  # the root: a module list's parameters are bound until here
+            for s in self.subtree:
+                s._unbind()
         return output
 
     def _finish_forward(self) -> None:
@@ -186,6 +214,10 @@ class FSDPState:
         fulls = _Unshard.apply(self, *g.sharded_params)
         if count and torch.is_grad_enabled() and any(p.requires_grad for p in g.sharded_params):
             self._live += 1  # one more _Unshard node whose backward will run
+        self._bind_fulls(fulls)
+
+    def _bind_fulls(self, fulls) -> None:
+        g = self.group
         if g.has_tp:
             fulls = [full if info.tp is None else _tp_param(full, info) for full, info in zip(fulls, g.infos)]
         for full, info in zip(fulls, g.infos):
