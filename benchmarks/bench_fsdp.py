@@ -22,8 +22,15 @@ two interleaved (A B A B ...) so machine noise hits both alike.  Per training st
 
 Configs: ``mlp`` (8 residual MLP blocks, 2 ranks, FSDP), ``llama`` (the Llama model of
 dtshard.models, 2 ranks, FSDP), ``hsdp`` (the MLP on a 2x2 (replicate, shard) mesh, 4 ranks) and
-``fsdp_tp`` (the Llama model, TP on mesh["tp"] then FSDP on mesh["dp"], 2x2, 4 ranks).  Eager
-only: compiling the FSDP step is not implemented in dtshard yet.
+``fsdp_tp`` (the Llama model, TP on mesh["tp"] then FSDP on mesh["dp"], 2x2, 4 ranks).
+
+``--compile`` adds a third model, dtshard's FSDP model compiled (``torch.compile(model,
+fullgraph=True)``, inductor, ``torch._dynamo.config.wrap_top_frame`` so the root's hooks are in
+the one forward graph), interleaved with the other two: its step time and peak against eager
+dtshard and eager FSDP2, and its compile time (the first step).  Its collectives are not counted
+by the dispatch mode (compiled code calls them below it); they are in the graph, where
+``tests/fsdp/test_fsdp_compile.py`` counts them: one all_gather per group in forward and one
+reduce_scatter per group in backward.
 """
 
 from __future__ import annotations
@@ -116,7 +123,18 @@ class MLP(nn.Module):
 
 
 def _build(config: str, lib: str, dtshard):
-    """(model, step inputs fn, loss fn, data-parallel index) for one library."""
+    """(model, data-parallel index, dp size) for one library ("torch", "dtshard", or
+    "compiled": dtshard's, compiled)."""
+    if lib == "compiled":
+        from torch import _dynamo
+
+        model, dp_index, dp_size = _build(config, "dtshard", dtshard)
+        _dynamo.config.wrap_top_frame = True  # read when the module is compiled
+        try:
+            compiled = torch.compile(model, fullgraph=True)
+        finally:
+            _dynamo.config.wrap_top_frame = False
+        return compiled, dp_index, dp_size
     from dtshard.models import LlamaConfig, Transformer, parallelize
 
     world = dist.get_world_size()
@@ -190,7 +208,7 @@ def _value(loss) -> float:
     return float((full() if full is not None else loss).detach())
 
 
-def worker(rank, world, configs, steps, port, out_path):
+def worker(rank, world, configs, steps, port, out_path, compile_too=False):
     import faulthandler
 
     faulthandler.enable()  # a native crash prints the Python stack of every thread
@@ -201,10 +219,19 @@ def worker(rank, world, configs, steps, port, out_path):
     rows = []
     for config in configs:
         libs = {}
-        for lib in ("torch", "dtshard"):
+        compile_s = None
+        for lib in ("torch", "dtshard") + (("compiled",) if compile_too else ()):
             model, dp_index, _ = _build(config, lib, dtshard)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             libs[lib] = (model, opt, dp_index)
+            if lib == "compiled":  # compile outside the timed steps: forward + backward compile,
+                x, y = _batch(config, 0, dp_index)  # without an optimizer step (same trajectory)
+                t0 = time.perf_counter()
+                loss = _loss(config, model, x, y, lib, dtshard)
+                if config != "fsdp_tp":
+                    loss.backward()
+                opt.zero_grad()
+                compile_s = time.perf_counter() - t0
         times = {k: [] for k in libs}
         cpus = {k: [] for k in libs}
         comm = {}
@@ -217,6 +244,9 @@ def worker(rank, world, configs, steps, port, out_path):
                 x, y = _batch(config, step, dp_index)
                 dist.barrier()
                 if step == 1:  # counted and profiled once (not timed)
+                    if lib == "compiled":  # counted in the graph, not by the dispatch mode
+                        _step(config, model, opt, x, y, lib, dtshard)
+                        continue
                     with _Collectives() as c:
                         _step(config, model, opt, x, y, lib, dtshard)
                     comm[lib] = (dict(c.counts), c.bytes)
@@ -239,7 +269,7 @@ def worker(rank, world, configs, steps, port, out_path):
         rows.append({"config": config, "world": world,
                      "wall": {k: statistics.median(v) for k, v in times.items()},
                      "cpu": {k: statistics.median(v) for k, v in cpus.items()},
-                     "comm": comm, "peak": peaks, "loss": loss})
+                     "comm": comm, "peak": peaks, "loss": loss, "compile_s": compile_s})
         del libs
     everyone = [None] * world
     dist.all_gather_object(everyone, rows)
@@ -256,7 +286,7 @@ def worker(rank, world, configs, steps, port, out_path):
     os._exit(0)
 
 
-def _run(world, configs, steps):
+def _run(world, configs, steps, compile_too=False):
     import json
     import socket
     import tempfile
@@ -265,7 +295,7 @@ def _run(world, configs, steps):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = os.path.join(tempfile.mkdtemp(), "res.json")
-    mp.spawn(worker, args=(world, configs, steps, port, out), nprocs=world, join=True)
+    mp.spawn(worker, args=(world, configs, steps, port, out, compile_too), nprocs=world, join=True)
     with open(out) as fh:
         return json.load(fh)
 
@@ -274,6 +304,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated: " + ", ".join(CONFIGS))
     ap.add_argument("--steps", type=int, default=10, help="measured steps per library (after 2 warm-up)")
+    ap.add_argument("--compile", action="store_true", help="also dtshard's FSDP model compiled (inductor)")
     args = ap.parse_args()
     configs = [c for c in args.configs.split(",") if c]
     for c in configs:
@@ -282,7 +313,7 @@ def main():
     print(f"load average at start: {os.getloadavg()[0]:.1f}")
     results = []
     for world in sorted({CONFIGS[c] for c in configs}):
-        results += list(zip(*_run(world, [c for c in configs if CONFIGS[c] == world], args.steps)))
+        results += list(zip(*_run(world, [c for c in configs if CONFIGS[c] == world], args.steps, args.compile)))
     print("| config | ranks | torch ms | dtshard ms | wall dtshard/torch | CPU dtshard/torch | "
           "collectives torch | collectives dtshard | MiB sent torch | MiB sent dtshard | "
           "peak MiB torch | peak MiB dtshard | loss torch | loss dtshard |")
@@ -303,6 +334,20 @@ def main():
               f"{counts('dtshard')} | {sent['torch'] / 2**20:.2f} | {sent['dtshard'] / 2**20:.2f} | "
               f"{peak['torch'] / 2**20:.1f} | {peak['dtshard'] / 2**20:.1f} | {r0['loss']['torch']:.6f} | "
               f"{r0['loss']['dtshard']:.6f} |")
+    if args.compile:
+        print()
+        print("| config | ranks | torch eager ms | dtshard eager ms | dtshard compiled ms | compiled/torch eager | "
+              "compiled/dtshard eager | peak MiB dtshard eager | peak MiB compiled | compile s | loss compiled |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for per_rank in results:
+            r0 = per_rank[0]
+            wall = {k: max(r["wall"][k] for r in per_rank) for k in ("torch", "dtshard", "compiled")}
+            peak = {k: max(r["peak"][k] for r in per_rank) for k in ("dtshard", "compiled")}
+            comp = max(r["compile_s"] for r in per_rank)
+            print(f"| {r0['config']} | {r0['world']} | {wall['torch'] * 1e3:.1f} | {wall['dtshard'] * 1e3:.1f} | "
+                  f"{wall['compiled'] * 1e3:.1f} | {wall['compiled'] / wall['torch']:.2f} | "
+                  f"{wall['compiled'] / wall['dtshard']:.2f} | {peak['dtshard'] / 2**20:.1f} | "
+                  f"{peak['compiled'] / 2**20:.1f} | {comp:.1f} | {r0['loss']['compiled']:.6f} |")
     print(f"load average at end: {os.getloadavg()[0]:.1f}")
 
 

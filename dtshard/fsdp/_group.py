@@ -309,10 +309,12 @@ class ParamGroup:
                                backward_dtype=self.reduce_dtype)
         gathered = _ScaleGrad.apply(full.to_local(grad_placements=tuple(Partial() for _ in self.placements)),
                                     1.0 / self.dp_size).view(self.W, self.S)
+        # split (not one slice per parameter): its backward is ONE concatenation into the
+        # reduce_scatter input, where slices would each scatter into a zero (W, S) buffer
+        blocks = gathered.split([info.padded for info in self.infos], dim=1)
         outs = []
-        for info in self.infos:
+        for info, block in zip(self.infos, blocks):
             c = info.padded // info.row_numel if info.row_numel else 0
-            block = gathered[:, info.shard_offset:info.shard_offset + info.padded]
             outs.append(block.reshape((self.W * c,) + info.shape[1:])[:info.shape[0]])
         return tuple(outs)
 
