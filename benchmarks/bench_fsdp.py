@@ -131,7 +131,7 @@ def _build(config: str, lib: str, dtshard):
         model, dp_index, dp_size = _build(config, "dtshard", dtshard)
         _dynamo.config.wrap_top_frame = True  # read when the module is compiled
         try:
-            compiled = torch.compile(model, fullgraph=True)
+            compiled = torch.compile(model, fullgraph=True, dynamic=False)  # dtshard plans need static shapes
         finally:
             _dynamo.config.wrap_top_frame = False
         return compiled, dp_index, dp_size
