@@ -366,21 +366,47 @@ def init_device_mesh(device_type: str, mesh_shape, *, mesh_dim_names=None, backe
     PyTorch creates the sub-groups of an N-D mesh with its 30-minute default even when the world
     group was given a short timeout, so one failing rank could block the others for half an hour.
     """
-    if backend_override is None and dist.is_available() and dist.is_initialized():
-        default = dist.distributed_c10d._get_default_group()
-        backend = dist.get_backend(default)
-        options_cls = {"gloo": getattr(dist, "ProcessGroupGloo", None), "nccl": getattr(dist, "ProcessGroupNCCL", None)}.get(backend)
-        try:
-            timeout = default._get_backend(torch.device(device_type)).options._timeout
-            opts = options_cls._Options() if backend == "gloo" else options_cls.Options()
-            opts._timeout = timeout
-            backend_override = {i: (backend, opts) for i in range(len(tuple(mesh_shape)))}
-        except Exception:  # an unusual backend: keep PyTorch's defaults
-            backend_override = None
+    if backend_override is None:
+        backend_override = _default_timeout_overrides(device_type, len(tuple(mesh_shape)))
     kwargs = {"mesh_dim_names": mesh_dim_names}
     if backend_override is not None:
         kwargs["backend_override"] = backend_override
     return _torch_init_device_mesh(device_type, tuple(mesh_shape), **kwargs)
+
+
+def _default_timeout_overrides(device_type: str, ndim: int):
+    """``backend_override`` giving every mesh dim's group the default group's backend and
+    timeout (None when there is no default group or an unusual backend)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    default = dist.distributed_c10d._get_default_group()
+    backend = dist.get_backend(default)
+    options_cls = {"gloo": getattr(dist, "ProcessGroupGloo", None), "nccl": getattr(dist, "ProcessGroupNCCL", None)}.get(backend)
+    try:
+        timeout = default._get_backend(torch.device(device_type)).options._timeout
+        opts = options_cls._Options() if backend == "gloo" else options_cls.Options()
+        opts._timeout = timeout
+        return {i: (backend, opts) for i in range(ndim)}
+    except Exception:  # an unusual backend: keep PyTorch's defaults
+        return None
+
+
+_regrouped: dict = {}
+
+
+def regrouped_mesh(mesh: DeviceMesh, k: int) -> DeviceMesh:
+    """``mesh``'s ranks, in order, as a 2-D mesh of shape ``(-1, k)``: dim 1 is groups of ``k``
+    consecutive ranks (FSDP's ``reshard_after_forward=k``: the group a parameter is resharded to
+    after forward).  Every rank must call it (it creates process groups); cached per (mesh, k)."""
+    key = (id(mesh), k)
+    hit = _regrouped.get(key)
+    if hit is not None and hit[0]() is mesh:
+        return hit[1]
+    kwargs = {}
+    overrides = _default_timeout_overrides(mesh.device_type, 2)
+    if overrides is not None:
+        kwargs["backend_override"] = (overrides[0], overrides[1])  # the constructor takes a tuple
+    return _cache_put(_regrouped, key, mesh, DeviceMesh(mesh.device_type, mesh.mesh.reshape(-1, k), **kwargs))
 
 
 def init_process_group(backend: str = "gloo", *, timeout_s: float = 60.0, **kwargs) -> None:

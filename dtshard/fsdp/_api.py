@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -77,6 +78,8 @@ class FSDPModule:
             raise ValueError(f"set_reshard_after_forward: expects a bool, got {reshard_after_forward!r}")
         for s in self._fsdp_states(recurse):
             s.group.reshard_after_forward = reshard_after_forward
+            s.group.post_forward_mesh = None  # a bool: reshard over the whole shard group
+            s.group.drop_post()
             s.auto_reshard = False
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
@@ -211,7 +214,11 @@ def fully_shard(
     A list of modules makes ONE group of all their parameters (PyTorch's semantics): gathered when
     the first of them starts its forward, freed after the last; the list is returned.
 
-    Not yet supported (raise): an int ``reshard_after_forward``, placements
+    An int ``reshard_after_forward=k`` (a divisor of the shard mesh dim's size) reshards to k
+    ranks after forward, as PyTorch does: each rank keeps 1/k of the group's gathered parameters
+    until backward, whose all_gather then runs over k consecutive ranks only (intra-node).
+
+    Not yet supported (raise): an int ``reshard_after_forward`` with FSDP x TP, placements
     other than ``Shard(0)`` from ``shard_placement_fn``, ``dp_mesh_dims`` (FSDP on one SPMD
     mesh), HSDP x TP, 0-dim parameters.
     """
@@ -232,9 +239,9 @@ def fully_shard(
         raise ValueError(f"{where}: a module appears twice in the list")
     if dp_mesh_dims is not None:
         raise NotImplementedError(f"{where}: dp_mesh_dims (FSDP on an SPMD mesh with TP) is not supported yet")
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        raise NotImplementedError(f"{where}: reshard_after_forward={reshard_after_forward!r}: only True, False "
-                                  "or None are supported (not resharding to a smaller world size)")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, (bool, int)):
+        raise ValueError(f"{where}: reshard_after_forward must be None, a bool, or an int (the number of ranks "
+                         f"to reshard to after forward), got {reshard_after_forward!r}")
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise ValueError(f"{where}: mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy")
     if not isinstance(offload_policy, OffloadPolicy):
@@ -242,6 +249,26 @@ def fully_shard(
     mesh = mesh if mesh is not None else _default_mesh()
     if mesh.ndim not in (1, 2):
         raise ValueError(f"{where}: mesh {tuple(mesh.shape)} must be 1-D (FSDP) or 2-D (replicate, shard) (HSDP)")
+    post_k = None  # reshard_after_forward=k: reshard to groups of k ranks after forward
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        W = mesh.size(mesh.ndim - 1)
+        k = reshard_after_forward
+        if k < 1 or k > W or W % k:
+            raise ValueError(f"{where}: reshard_after_forward={k}: an int must divide the shard mesh dim's size {W} "
+                             f"(mesh {tuple(mesh.shape)}): the number of ranks to reshard to after forward")
+        if k == 1:
+            warnings.warn(f"{where}: reshard_after_forward=1 (int) reshards to world size 1, that is "
+                          "reshard_after_forward=False", UserWarning, stacklevel=2)
+            reshard_after_forward = False
+        elif k == W:
+            reshard_after_forward = True
+        else:
+            if mesh._get_root_mesh() is not mesh:
+                raise NotImplementedError(
+                    f"{where}: reshard_after_forward={k} on a sub-mesh {tuple(mesh.shape)} {mesh.mesh_dim_names} "
+                    "(FSDP x TP) is not supported: the groups of k ranks are built from the whole mesh; use a bool")
+            post_k = k
+            reshard_after_forward = True
     device = torch.device(mesh.device_type) if mesh.device_type == "cpu" else \
         torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
 
@@ -321,6 +348,8 @@ def fully_shard(
                     buf_owner._buffers[k] = b.to(device)
     group = ParamGroup(modules[0], params, mesh, device, mp_policy, offload_policy,
                        reshard_after_forward if reshard_after_forward is not None else True)
+    if post_k is not None:
+        group.post_forward_mesh = C.regrouped_mesh(mesh, post_k)
     state = FSDPState(modules, group, mp_policy, auto_reshard=reshard_after_forward is None)
     below = {id(sub._dtshard_fsdp): sub._dtshard_fsdp for top in modules for sub in top.modules()
              if getattr(sub, "_dtshard_fsdp", None) is not None}

@@ -94,6 +94,12 @@ class ParamGroup:
         # where the sharded parameters (and the optimizer state) live
         self.shard_device = torch.device("cpu") if self.offload else device
         self.reshard_after_forward = reshard_after_forward
+        #: an int ``reshard_after_forward=k``: the mesh ``(-1, k)`` of the same ranks whose dim 1
+        #: is the group of k the parameters are resharded to after forward (set by fully_shard)
+        self.post_forward_mesh = None
+        self._post: Optional[torch.Tensor] = None  # this rank's slab kept from forward to backward
+        self._post_next: Optional[torch.Tensor] = None  # the slab cut from a forward's all_gather
+        self._forward_gather = False  # the all_gather in flight was issued by a forward
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.infos: list[_ParamInfo] = []
@@ -196,11 +202,21 @@ class ParamGroup:
             return self.wait_unshard()  # prefetched: finish it
         if self.state != "sharded" or not self.infos:
             return
+        in_backward = torch._C._current_graph_task_id() != -1
+        self._forward_gather = not in_backward and torch.is_grad_enabled()
         with torch.no_grad():
-            inp = self._gather_input()
             out = torch.empty(self.W * self.S, dtype=self.param_dtype, device=self.device)
-            with _fsdp_op():
-                work = C.all_gather_into(out, inp, self.mesh, self.shard_dim, async_op=True)
+            if self._post is not None and in_backward:
+                # resharded to k ranks after forward: gather the k slabs (the whole (W, S)
+                # layout, in order) over those k ranks only
+                inp, self._post = self._post, None
+                with _fsdp_op():
+                    work = C.all_gather_into(out, inp, self.post_forward_mesh, 1, async_op=True)
+            else:
+                self._post = None  # a forward gathers from the shards (the optimizer moved them)
+                inp = self._gather_input()
+                with _fsdp_op():
+                    work = C.all_gather_into(out, inp, self.mesh, self.shard_dim, async_op=True)
         self._gather_work = (work, out, inp)
         self.state = "gathering"
         if not async_op:
@@ -224,6 +240,13 @@ class ParamGroup:
                 full = self.flat_full[info.full_offset:info.full_offset + info.numel]
                 for dst, src in self._rank_pieces(full, gathered, info):
                     dst.copy_(src)
+        if self.post_forward_mesh is not None and self._forward_gather:
+            # reshard_after_forward=k: keep this rank's 1/k of the gathered layout (the rows of
+            # W/k ranks' shards) for backward: member j of a group of k holds rows j*W/k ...
+            k = self.post_forward_mesh.size(1)
+            rows = self.W // k
+            j = self.rank % k
+            self._post_next = gathered[j * rows:(j + 1) * rows].reshape(-1).clone()
         # free the gathered buffer now, on this thread: the backend's work object may hold a
         # reference a little longer (and drop it on its own thread)
         self._free(out)
@@ -253,12 +276,19 @@ class ParamGroup:
             pieces.append((full[whole * chunk:], gathered[whole, info.shard_offset:info.shard_offset + rest]))
         return pieces
 
-    def reshard(self) -> None:
+    def reshard(self, after_forward: bool = False) -> None:
+        """Free the full parameters.  ``after_forward`` with an int ``reshard_after_forward``:
+        keep the slab cut from the forward's all_gather, which backward gathers over k ranks."""
         if self.state == "gathering":
             self.wait_unshard()
         if self.state == "unsharded":
             self._free(self.flat_full)
             self.state = "sharded"
+        self._post = self._post_next if after_forward else None
+        self._post_next = None
+
+    def drop_post(self) -> None:
+        self._post = self._post_next = None
 
     def full_views(self) -> list[torch.Tensor]:
         """Fresh views of the full parameters (one set per forward call: autograd attaches each

@@ -189,7 +189,7 @@ class FSDPState:
         self._unbind()
         # without grad no backward will need the full parameters: free them (the root too)
         if self.group.reshard_after_forward or not torch.is_grad_enabled():
-            self.group.reshard()
+            self.group.reshard(after_forward=torch.is_grad_enabled())
 
     def _hook_backward(self, output) -> None:
         """Gather the group again when a gradient reaches this output (the pre-backward hook)."""
@@ -293,6 +293,7 @@ class FSDPState:
         for s in ctx.states:
             s._unbind()
             s._live = 0
+            s.group.drop_post()  # a group resharded to k ranks whose backward never ran
             if s.group.reshard_after_backward or s.group.state == "gathering":
                 s.group.reshard()  # also an unused prefetch, or a group whose backward never ran
 
