@@ -112,10 +112,6 @@ def _check_tp_param(where: str, fqn: str, p: DTensor, mesh) -> None:
     tp_mesh = p._spec.mesh
     desc = (f"parameter {fqn!r} (shape {tuple(p.shape)}, placements {placements_str(p._spec.placements)} on "
             f"mesh {tuple(tp_mesh.shape)} {tp_mesh.mesh_dim_names})")
-    if mesh.ndim != 1:
-        raise NotImplementedError(
-            f"{where}: {desc} is tensor-parallel; HSDP x TP (a 2-D data-parallel mesh "
-            f"{tuple(mesh.shape)}) is not supported yet: use a 1-D data-parallel mesh (FSDP x TP)")
     if tp_mesh.ndim != 1 or any(is_strided(q) or q.is_partial() for q in p._spec.placements):
         raise NotImplementedError(
             f"{desc}: FSDP x TP takes parameters sharded or replicated on a 1-D tensor-parallel mesh")
@@ -137,13 +133,14 @@ def _check_tp_param(where: str, fqn: str, p: DTensor, mesh) -> None:
     except Exception:  # noqa: BLE001 - a mesh without a root: not a sub-mesh
         pass
     names_ok = bool(mesh.mesh_dim_names) and bool(tp_mesh.mesh_dim_names) and \
-        mesh.mesh_dim_names[0] != tp_mesh.mesh_dim_names[0]
+        tp_mesh.mesh_dim_names[0] not in mesh.mesh_dim_names
     if not (same_root and names_ok):
         raise ValueError(
             f"{where}: {desc} is tensor-parallel on a mesh that is not another dim of the data-parallel "
             f"mesh {tuple(mesh.shape)} {mesh.mesh_dim_names}. Build one mesh, e.g. mesh = "
             "init_device_mesh(device, (dp, tp), mesh_dim_names=('dp', 'tp')), parallelize with mesh['tp'] "
-            "and call fully_shard(module, mesh=mesh['dp'])")
+            "and call fully_shard(module, mesh=mesh['dp']) (HSDP x TP: a (replicate, shard, tp) mesh and "
+            "mesh=mesh['replicate', 'shard'])")
     if p.dim() == 0 or p._local_tensor.dim() == 0:
         raise NotImplementedError(f"{where}: {desc} is 0-dim; FSDP shards dim 0")
 
@@ -218,9 +215,14 @@ def fully_shard(
     ranks after forward, as PyTorch does: each rank keeps 1/k of the group's gathered parameters
     until backward, whose all_gather then runs over k consecutive ranks only (intra-node).
 
+    HSDP x TP: a ``(replicate, shard, tp)`` mesh, ``parallelize_module`` on ``mesh["tp"]``, then
+    ``fully_shard(block, mesh=mesh["replicate", "shard"])``: the sharded parameters are DTensors
+    on the 3-D mesh (``Replicate`` on the replicate dim), the all_gather runs over the shard dim,
+    the reduce_scatter over the shard dim and the all_reduce over the replicate dim.
+
     Not yet supported (raise): an int ``reshard_after_forward`` with FSDP x TP, placements
     other than ``Shard(0)`` from ``shard_placement_fn``, ``dp_mesh_dims`` (FSDP on one SPMD
-    mesh), HSDP x TP, 0-dim parameters.
+    mesh), 0-dim parameters.
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     where = (f"fully_shard([{', '.join(type(m).__name__ for m in modules)}])" if isinstance(module, (list, tuple))

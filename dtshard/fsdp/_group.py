@@ -438,23 +438,31 @@ class _ScaleGrad(torch.autograd.Function):
 
 def _fsdp_tp_spec(dp_mesh, tp_spec: DTensorSpec) -> DTensorSpec:
     """The sharded spec of a tensor-parallel parameter that FSDP shards again on ``dp_mesh``: a
-    DTensor on the 2-D mesh of the dp and tp mesh dims (in the root mesh's order), whose shards
-    are dim-0 chunks of each rank's TP shard.  When TP shards dim 0 too, that is TP first, then
-    FSDP, which on a (dp, tp) mesh is ``(_StridedShard(0, split_factor=tp), Shard(0))`` (PyTorch's
-    FSDP2 x TP layout; ``fully_shard`` checked the meshes, see ``_api._check_tp_param``)."""
+    DTensor on the mesh of the dp and tp mesh dims (in the root mesh's order), whose shards are
+    dim-0 chunks of each rank's TP shard.  ``dp_mesh`` is 1-D (FSDP x TP) or 2-D
+    ``(replicate, shard)`` (HSDP x TP: ``Replicate`` on the replicate dim).  On the shard dim
+    that is ``Shard(0)``, unless a mesh dim AFTER it in the root's order also shards dim 0 (TP's
+    ``Shard(0)``): then TP cuts first and FSDP cuts each TP shard, which is
+    ``_StridedShard(0, split_factor=tp)`` (PyTorch's FSDP2 x TP layout; ``fully_shard`` checked
+    the meshes, see ``_api._check_tp_param``)."""
     from torch.distributed.tensor.placement_types import _StridedShard
 
     tp_mesh = tp_spec.mesh
     (tp_pl,) = tp_spec.placements
     root = dp_mesh._get_root_mesh()
-    dp_name, tp_name = dp_mesh.mesh_dim_names[0], tp_mesh.mesh_dim_names[0]
-    names = root.mesh_dim_names
-    dp_first = names.index(dp_name) < names.index(tp_name)
-    mesh2 = root[(dp_name, tp_name) if dp_first else (tp_name, dp_name)]
-    if dp_first:
-        shards_dim0 = isinstance(tp_pl, Shard) and tp_pl.dim == 0
-        dp_pl = _StridedShard(0, split_factor=tp_mesh.size()) if shards_dim0 else Shard(0)
-        placements = (dp_pl, tp_pl)
-    else:  # tp splits first in mesh order already: plain nesting
-        placements = (tp_pl, Shard(0))
-    return DTensorSpec(mesh2, placements, tp_spec.shape, contiguous_strides(tp_spec.shape), tp_spec.dtype)
+    tp_name = tp_mesh.mesh_dim_names[0]
+    dp_names = tuple(dp_mesh.mesh_dim_names)
+    shard_name = dp_names[-1]
+    names = [n for n in root.mesh_dim_names if n in dp_names or n == tp_name]
+    mesh_n = root[tuple(names)]
+    placements = []
+    for n in names:
+        if n == tp_name:
+            placements.append(tp_pl)
+        elif n != shard_name:
+            placements.append(Replicate())
+        else:
+            tp_after = names.index(tp_name) > names.index(shard_name)
+            shards_dim0 = isinstance(tp_pl, Shard) and tp_pl.dim == 0
+            placements.append(_StridedShard(0, split_factor=tp_mesh.size()) if tp_after and shards_dim0 else Shard(0))
+    return DTensorSpec(mesh_n, tuple(placements), tp_spec.shape, contiguous_strides(tp_spec.shape), tp_spec.dtype)
