@@ -435,9 +435,11 @@ def _pg_all_gather(pg, out: torch.Tensor, x: torch.Tensor, async_op: bool):
 
 
 def _pg_reduce_scatter(pg, out: torch.Tensor, x: torch.Tensor, op: str, async_op: bool):
-    """``reduce_scatter_single`` (what ``dist.reduce_scatter_tensor`` calls in PyTorch 2.13: on
-    gloo it reduces in place of the input; the older ``_reduce_scatter_base`` first copied the
-    whole input into a staging buffer), else ``_reduce_scatter_base``."""
+    """``reduce_scatter_single`` (what ``dist.reduce_scatter_tensor`` calls in PyTorch 2.13),
+    else ``_reduce_scatter_base``.  On gloo either copies the whole input into a staging buffer
+    while the call is issued (in the caller's thread) and reduces that copy asynchronously: the
+    input is not read after the call returns (``tests/distributed/test_collective_staging.py``
+    checks it, so a PyTorch upgrade that changes it fails there first)."""
     opts = dist.ReduceScatterOptions()
     opts.reduceOp = _REDUCE_OPS[op]
     if hasattr(pg, "reduce_scatter_single"):
@@ -469,10 +471,15 @@ def all_gather_into(out: torch.Tensor, x: torch.Tensor, mesh: DeviceMesh, mesh_d
 
 
 def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, op: str, mesh: DeviceMesh, mesh_dim: int, *,
-                        async_op: bool = False):
+                        async_op: bool = False, consume_input: bool = False):
     """Reduce the contiguous ``x`` (``n * out.numel()`` elements) over one mesh dim; rank ``i``
     gets block ``i`` in ``out``.  ``op``: ``sum``, ``max`` or ``min`` (gloo has no ``avg`` for
-    reduce_scatter: callers divide afterwards)."""
+    reduce_scatter: callers divide afterwards).
+
+    ``consume_input``: the caller is done with ``x`` (a packed buffer): where the backend copied
+    it while issuing the call (gloo on CPU, see :func:`_pg_reduce_scatter`), its storage is
+    released at once (resized to 0), so an asynchronous reduce_scatter holds one copy of the
+    input while in flight, not two.  Elsewhere (NCCL reads it on its stream) it is left alone."""
     pg = _group_object(mesh, mesh_dim)
     n = group_size(mesh, mesh_dim)
     if op not in _REDUCE_OPS:
@@ -483,7 +490,17 @@ def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, op: str, mesh: Devic
             f"outputs of {out.numel()} {out.dtype} elements (mesh dim {mesh_dim} of mesh {tuple(mesh.shape)})")
     if _observers:
         _notify("reduce_scatter", mesh_dim, (n - 1) * _nbytes(x) // n, n)
-    return _finish(_pg_reduce_scatter(pg, out, x, op, async_op), async_op)
+    work = _pg_reduce_scatter(pg, out, x, op, async_op)
+    if consume_input and async_op and x.device.type == "cpu" and _is_gloo(pg):
+        x.untyped_storage().resize_(0)
+    return _finish(work, async_op)
+
+
+def _is_gloo(pg) -> bool:
+    try:
+        return dist.get_backend(pg) == "gloo"
+    except Exception:  # noqa: BLE001 - a group torch does not know the backend of: assume not
+        return False
 
 
 def all_reduce_(x: torch.Tensor, op: str, mesh: DeviceMesh, mesh_dim: int, *, async_op: bool = False):

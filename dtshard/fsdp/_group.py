@@ -382,7 +382,10 @@ class ParamGroup:
                 buf.div_(self.dp_size)  # low precision: divide first so the sum cannot overflow
             out = torch.empty(self.S, dtype=self.reduce_dtype, device=self.device)
             with _fsdp_op():
-                work = C.reduce_scatter_into(out, buf, "sum", self.mesh, self.shard_dim, async_op=True)
+                # the buffer is not read after the call (gloo stages it): released right away,
+                # so the reduction in flight behind the next block's backward holds one copy
+                work = C.reduce_scatter_into(out, buf, "sum", self.mesh, self.shard_dim, async_op=True,
+                                             consume_input=True)
         return [work, out, buf, got]
 
     def start_replicate_reduce(self, pending: list) -> None:
