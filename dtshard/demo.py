@@ -6,6 +6,8 @@
     python -m dtshard.demo --model llama --fsdp  # the same with FSDP (dtshard.fsdp.fully_shard), 2 ranks
     python -m dtshard.demo --dp 2 --tp 2         # FSDP x TP on a 2x2 (dp, tp) mesh, 4 ranks
     python -m dtshard.demo --model cnn           # the UNet of dtshard.models, images sharded on H
+    python -m dtshard.demo --model unet3d        # a 3-D UNet, volumes sharded on D x H (2x2, 4 ranks)
+    python -m dtshard.demo --model unet3d --world-size 2   # ... sharded on D over 2 ranks
     torchrun --nproc-per-node 2 -m dtshard.demo  # or let torchrun start the ranks
 
 The default model (``--model block``): a transformer block (layer_norm -> multi-head self-attention
@@ -38,6 +40,12 @@ heads) the plan keeps DTensors throughout and attention runs on DTensors.
 
 ``--model cnn``: the UNet of :mod:`dtshard.models` trained with plain SGD, with the images sharded
 on H (convolutions and pooling exchange halos with their neighbours).
+
+``--model unet3d``: :class:`dtshard.models.UNet3d` (conv3d, GroupNorm, SiLU, strided-conv
+downsampling, transposed-conv upsampling, skip concatenation) trained with SGD on volumes sharded
+on D x H over a 2x2 mesh (4 ranks, the default for this model) or on D (any other world size),
+parameters replicated; per step the halo exchanges and their bytes, and at the end each rank's
+peak activation memory of one forward + backward against one process's.
 """
 
 from __future__ import annotations
@@ -413,6 +421,109 @@ def report_cnn(steps: int, world: int, ranks: list[dict], elapsed: float, height
     return ok
 
 
+def _peak_alloc_bytes(fn) -> int:
+    """Peak bytes allocated through PyTorch's CPU allocator while ``fn`` runs, above what was
+    allocated before it (``torch.profiler`` memory events; not RSS)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    cur = peak = 0
+    for e in events:
+        cur += e.nbytes()
+        peak = max(peak, cur)
+    return peak
+
+
+#: the ops whose all_to_all are halo exchanges (forward and backward)
+_HALO_OPS = ("convolution", "upsample", "pool", "constant_pad")
+
+
+def train_unet3d_worker(steps: int, size: tuple = (16, 16, 8), mem_size: tuple = (32, 32, 16)) -> dict:
+    """:class:`dtshard.models.UNet3d` on volumes sharded on D x H (2x2 mesh, 4 ranks) or on D,
+    next to the same model in one process (SGD, the same batches)."""
+    from dtshard.models import UNet3d
+
+    world = dist.get_world_size()
+    if world == 4:
+        mesh, dims = init_device_mesh("cpu", (2, 2)), (2, 3)
+    else:
+        mesh, dims = init_device_mesh("cpu", (world,)), (2,)
+    placements = [Shard(d) for d in dims]
+    torch.manual_seed(0)
+    ref = UNet3d()
+    model = copy.deepcopy(ref)
+    distribute_module(model, mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for _ in range(steps):
+        x = torch.randn(2, 1, *size, generator=g)
+        y = torch.randn(2, 2, *size, generator=g)
+        rloss = F.mse_loss(ref(x), y)
+        ropt.zero_grad()
+        rloss.backward()
+        ropt.step()
+        xd, yd = distribute_tensor(x, mesh, placements), distribute_tensor(y, mesh, placements)
+        with CommCounter() as comm:
+            loss = F.mse_loss(model(xd), yd)
+            opt.zero_grad()
+            loss.backward()
+        opt.step()
+        dev_w = max(float((p.detach().full_tensor() - q.detach()).abs().max())
+                    for p, q in zip(model.parameters(), ref.parameters()))
+        halo = [r for r in comm.records if r.kind == "all_to_all" and any(k in r.op for k in _HALO_OPS)]
+        other = [r for r in comm.records if r not in halo]
+        kinds = Counter(r.kind for r in other)
+        rows.append({"loss": loss.full_tensor().item(), "ref": rloss.item(), "dev_w": dev_w,
+                     "halo": len(halo), "halo_bytes": sum(r.nbytes for r in halo), "other": dict(kinds),
+                     "other_bytes": sum(r.nbytes for r in other), "local": tuple(xd.to_local().shape[2:])})
+    # activation memory: one forward + backward on a larger volume, this rank vs one process
+    x = torch.randn(1, 1, *mem_size, generator=g)
+    y = torch.randn(1, 2, *mem_size, generator=g)
+    xd, yd = distribute_tensor(x, mesh, placements), distribute_tensor(y, mesh, placements)
+    for m in (model, ref):
+        m.zero_grad(set_to_none=False)  # gradient buffers exist already: not counted as activations
+    peak_ref = _peak_alloc_bytes(lambda: F.mse_loss(ref(x), y).backward())
+    peak = _peak_alloc_bytes(lambda: F.mse_loss(model(xd), yd).backward())
+    return {"rows": rows, "peak": peak, "peak_ref": peak_ref, "mesh": tuple(mesh.shape), "dims": dims,
+            "mem_local": tuple(xd.to_local().shape[2:])}
+
+
+def report_unet3d(steps: int, world: int, ranks: list[dict], elapsed: float, size: tuple, mem_size: tuple) -> bool:
+    r0 = ranks[0]
+    where = " x ".join("DHW"[d - 2] for d in r0["dims"])
+    print(f"3-D UNet (conv3d + GroupNorm + SiLU, strided-conv down, transposed-conv up, skip concat) on "
+          f"volumes (2, 1, {', '.join(map(str, size))}) sharded on {where} over a mesh {r0['mesh']} "
+          f"(local D, H, W: {', '.join(str(r['rows'][0]['local']) for r in ranks)}), vs one process, SGD")
+    headers = ["step", "loss dtshard", "loss torch", "|d loss|", "max|d W|", "halo A2A", "halo bytes",
+               "other collectives", "other bytes", ""]
+    rows, ok = [], True
+    for k in range(steps):
+        rs = [r["rows"][k] for r in ranks]
+        dl = max(abs(r["loss"] - r["ref"]) for r in rs)
+        dw = max(r["dev_w"] for r in rs)
+        good = dl <= 1e-6 + 1e-5 * abs(rs[0]["ref"]) and dw <= 1e-5
+        ok = ok and good
+        other = ", ".join(f"{_KINDS.get(kd, kd)} x{n}" for kd, n in sorted(rs[0]["other"].items()))
+        rows.append([str(k + 1), f"{rs[0]['loss']:.7f}", f"{rs[0]['ref']:.7f}", f"{dl:.1e}", f"{dw:.1e}",
+                     str(rs[0]["halo"]), f"{max(r['halo_bytes'] for r in rs):,}", other,
+                     f"{rs[0]['other_bytes']:,}", "ok" if good else "MISMATCH"])
+    print(_table(headers, rows, "rrrrrrrlrl"))
+    peak = max(r["peak"] for r in ranks)
+    ref = r0["peak_ref"]
+    print(f"peak activation memory of one forward + backward on (1, 1, {', '.join(map(str, mem_size))}): "
+          f"{peak / 2**20:.2f} MiB per rank (largest; local {r0['mem_local']}) vs {ref / 2**20:.2f} MiB in one "
+          f"process: {peak / ref:.2f}x")
+    print(("OK" if ok else "FAILED") + f": {steps} steps on {world} ranks ({elapsed:.1f} s); halo A2A are the "
+          "convolutions' halo exchanges (forward and backward, one per sharded dim); other: GroupNorm "
+          "statistics and the bucketed weight gradients")
+    return ok
+
+
 # ---------------------------------------------------------------------------------------------
 # --model llama: the Llama-style model of dtshard.models, tensor + sequence parallel, AdamW
 # ---------------------------------------------------------------------------------------------
@@ -596,18 +707,21 @@ def _under_torchrun() -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dtshard.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
-    parser.add_argument("--world-size", type=int, default=2,
-                        help="CPU processes to spawn (default 2; ignored under torchrun)")
-    parser.add_argument("--model", choices=("block", "llama", "cnn"), default="block",
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="CPU processes to spawn (default 2, 4 for --model unet3d; ignored under torchrun)")
+    parser.add_argument("--model", choices=("block", "llama", "cnn", "unet3d"), default="block",
                         help="block: the tensor-parallel transformer block (default); llama: the "
                              "Llama-style model with tensor + sequence parallelism and AdamW; cnn: a "
-                             "UNet with the images sharded on H (spatial halo exchange)")
+                             "UNet with the images sharded on H (spatial halo exchange); unet3d: a 3-D "
+                             "UNet with volumes sharded on D x H (4 ranks) or D")
     parser.add_argument("--fsdp", action="store_true",
                         help="with --model llama: FSDP (fully_shard) over every rank instead of TP")
     parser.add_argument("--dp", type=int, default=None,
                         help="with --model llama: data-parallel (FSDP) size; with --tp, FSDP x TP on a 2-D mesh")
     parser.add_argument("--tp", type=int, default=None, help="with --model llama and --dp: tensor-parallel size")
     args = parser.parse_args(argv)
+    if args.world_size is None:
+        args.world_size = 4 if args.model == "unet3d" else 2
     if args.steps < 1 or args.world_size < 1:
         parser.error("--steps and --world-size must be >= 1")
     if (args.fsdp or args.dp or args.tp) and args.model != "llama":
@@ -627,6 +741,13 @@ def main(argv: list[str] | None = None) -> int:
         args.dp = 1
     if args.model == "cnn":
         return _main_cnn(args)
+    if args.model == "unet3d":
+        return _launch_and_report(
+            "train_unet3d_worker", (args.steps,), args,
+            ok=lambda results: all(abs(r["loss"] - r["ref"]) <= 1e-6 + 1e-5 * abs(r["ref"]) and r["dev_w"] <= 1e-5
+                                   for r in results[0]["rows"]) if results else True,
+            report_fn=lambda results, elapsed, world: report_unet3d(args.steps, world, results, elapsed,
+                                                                     (16, 16, 8), (32, 32, 16)))
     if args.model == "llama":
         return _main_llama(args)
 

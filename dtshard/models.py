@@ -121,6 +121,68 @@ def train_unet(x, y, p, s, up: str, steps: int, lr: float = 0.05, on_step=None) 
 
 
 # ---------------------------------------------------------------------------------------------
+# A small 3-D UNet (volumes: segmentation, cosmology, weather)
+# ---------------------------------------------------------------------------------------------
+
+
+class ConvBlock3d(nn.Module):
+    """conv3d 3x3x3 -> GroupNorm -> SiLU, twice."""
+
+    def __init__(self, c_in: int, c_out: int, groups: int = 2):
+        super().__init__()
+        self.conv1 = nn.Conv3d(c_in, c_out, 3, padding=1)
+        self.norm1 = nn.GroupNorm(groups, c_out)
+        self.conv2 = nn.Conv3d(c_out, c_out, 3, padding=1)
+        self.norm2 = nn.GroupNorm(groups, c_out)
+
+    def forward(self, x):
+        x = F.silu(self.norm1(self.conv1(x)))
+        return F.silu(self.norm2(self.conv2(x)))
+
+
+class UNet3d(nn.Module):
+    """A two-level 3-D UNet: encoder blocks, strided-conv downsampling, a bottleneck,
+    transposed-conv (``up="tconv"``) or trilinear (``up="trilinear"``) upsampling, skip
+    concatenation, a 1x1x1 head.  Volume sides divisible by 4.
+
+    With the volume sharded on D and H (``Shard(2)``, ``Shard(3)``) and the parameters
+    replicated, every op is spatially sharded: the convolutions exchange halos, GroupNorm
+    reduces its statistics as Partial sums, and the weight gradients are Partial sums."""
+
+    def __init__(self, c_in: int = 1, c_out: int = 2, width: int = 4, up: str = "tconv"):
+        super().__init__()
+        w = width
+        self.up = up
+        self.enc1 = ConvBlock3d(c_in, w)
+        self.down1 = nn.Conv3d(w, w, 2, stride=2)
+        self.enc2 = ConvBlock3d(w, 2 * w)
+        self.down2 = nn.Conv3d(2 * w, 2 * w, 2, stride=2)
+        self.mid = ConvBlock3d(2 * w, 2 * w)
+        if up == "tconv":
+            self.up2 = nn.ConvTranspose3d(2 * w, 2 * w, 2, stride=2)
+            self.up1 = nn.ConvTranspose3d(2 * w, w, 2, stride=2)
+        else:
+            self.up2 = nn.Conv3d(2 * w, 2 * w, 1)
+            self.up1 = nn.Conv3d(2 * w, w, 1)
+        self.dec2 = ConvBlock3d(4 * w, 2 * w)
+        self.dec1 = ConvBlock3d(2 * w, w)
+        self.head = nn.Conv3d(w, c_out, 1)
+
+    def _up(self, layer, x):
+        if self.up == "tconv":
+            return layer(x)
+        return layer(F.interpolate(x, scale_factor=2, mode="trilinear", align_corners=False))
+
+    def forward(self, x):
+        e1 = self.enc1(x)                          # D
+        e2 = self.enc2(self.down1(e1))             # D/2
+        m = self.mid(self.down2(e2))               # D/4
+        d2 = self.dec2(torch.cat([self._up(self.up2, m), e2], dim=1))
+        d1 = self.dec1(torch.cat([self._up(self.up1, d2), e1], dim=1))
+        return self.head(d1)
+
+
+# ---------------------------------------------------------------------------------------------
 # Llama
 # ---------------------------------------------------------------------------------------------
 
