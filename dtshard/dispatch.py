@@ -51,7 +51,7 @@ def _plain_layouts(handler):
 
     def guarded(op, args, kwargs):
         DT = _DT
-        if not any(_holds_strided(a, DT) for a in args) and not any(_holds_strided(v, DT) for v in kwargs.values()):
+        if not _any_strided(args, kwargs, DT):
             return handler(op, args, kwargs)
         swapped: list = []  # (original, plain copy)
 
@@ -109,9 +109,13 @@ def _members_only(handler):
 
 
 def _member(mesh) -> bool:
-    from dtshard.collectives import is_member
+    global _is_member
+    if _is_member is None:
+        from dtshard.collectives import is_member as _is_member
+    return _is_member(mesh)
 
-    return is_member(mesh)
+
+_is_member = None  # dtshard.collectives.is_member, bound on first use (import order)
 
 
 def _non_member(op, margs, mkwargs, specs, args, kwargs):
@@ -156,6 +160,23 @@ def _non_member(op, margs, mkwargs, specs, args, kwargs):
     return wrap(meta)
 
 
+def _any_strided(args, kwargs, DT) -> bool:
+    """Does any DTensor argument hold a strided shard?  (A plain loop: this runs before every
+    handler call.)"""
+    for a in args:
+        if isinstance(a, DT):
+            if a._spec.has_strided:
+                return True
+        elif type(a) is list or type(a) is tuple:
+            for x in a:
+                if isinstance(x, DT) and x._spec.has_strided:
+                    return True
+    for v in kwargs.values():
+        if _holds_strided(v, DT):
+            return True
+    return False
+
+
 def _holds_strided(a, DT) -> bool:
     if isinstance(a, DT):
         return a._spec.has_strided
@@ -167,11 +188,17 @@ def _holds_strided(a, DT) -> bool:
 _handlers: dict[int, Any] = {}  # id(op) -> handler, mirrors registry.handlers
 
 
+#: plan caches that handlers keep (their own cache-hit paths), cleared with the dispatcher's
+handler_caches: list = []
+
+
 def clear_cache(*, plans: bool = True) -> None:
     """Forget every cached plan and reload the handler table; ``plans=False`` only reloads the
     handler table (no rule changed)."""
     if plans:
         _cache.clear()
+        for c in handler_caches:
+            c.clear()
     _handlers.clear()
     _handlers.update({id(op): _members_only(fn if op in registry.strided_handlers or op not in registry._entries
                                             else _plain_layouts(fn)) for op, fn in registry.handlers.items()})

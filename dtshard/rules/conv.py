@@ -131,8 +131,13 @@ def wrap(local: torch.Tensor, spec: DTensorSpec):
 class op_context:
     """Attribute collectives issued inside a handler to ``op`` (CommCounter's per-op view)."""
 
+    _names: dict = {}
+
     def __init__(self, op) -> None:
-        self.name = str(op)
+        name = self._names.get(op)
+        if name is None:
+            name = self._names[op] = str(op)
+        self.name = name
 
     def __enter__(self):
         self.prev = _trace.current_op[0]
@@ -305,9 +310,95 @@ def _window_shape(local_shape, plans) -> list[int]:
 # ---------------------------------------------------------------------------------------------
 
 
+class _ConvPlan:
+    """Everything a forward convolution call needs beyond its tensors, for one (specs, args)
+    key: computed once by :func:`_plan_convolution`, then the call is local ops and exchanges."""
+
+    __slots__ = ("x_target", "w_target", "b_target", "plans", "stride", "padding", "dilation", "local_padding",
+                 "local_output_padding", "out_spec", "out_local_shape", "path", "modes", "coord", "w_k")
+
+    def __init__(self, **kw):
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+
+_conv_plans_cache: dict = {}
+
+
+def _register_cache() -> None:
+    from dtshard import dispatch
+
+    dispatch.handler_caches.append(_conv_plans_cache)
+
+
+_register_cache()
+
+
+def _tup(v):
+    return tuple(v) if isinstance(v, (list, tuple)) else (v,)
+
+
+def _conv_key(args, kwargs):
+    """The cache key of a forward convolution call (all 9 arguments positional, as
+    ``F.conv*d`` passes them), or None (then the slow path plans and checks everything)."""
+    from dtshard.dispatch import _DT
+
+    if kwargs or len(args) != 9:
+        return None
+    x, w, bias, stride, padding, dilation, transposed, output_padding, groups = args
+    if type(x) is not _DT or type(w) is not _DT or not (bias is None or type(bias) is _DT):
+        return None
+    try:  # F.conv*d passes lists
+        return (x._spec, w._spec, None if bias is None else bias._spec, tuple(stride), tuple(padding),
+                tuple(dilation), transposed, tuple(output_padding), groups)
+    except TypeError:  # an int where aten allows one
+        return (x._spec, w._spec, None if bias is None else bias._spec, _tup(stride), _tup(padding),
+                _tup(dilation), transposed, _tup(output_padding), groups)
+
+
 @register_handler(aten.convolution.default)
 def convolution_handler(op, args, kwargs):
-    """Forward convolution on DTensors (any mode of the module docstring, per mesh dim)."""
+    """Forward convolution on DTensors (any mode of the module docstring, per mesh dim).  A call
+    whose (specs, arguments) were seen before runs its cached :class:`_ConvPlan`: no argument
+    binding, mode table or window arithmetic per call."""
+    key = _conv_key(args, kwargs)
+    plan = _conv_plans_cache.get(key) if key is not None else None
+    if plan is None:
+        plan = _plan_convolution(op, args, kwargs)
+        if key is not None:
+            if len(_conv_plans_cache) > 4096:
+                _conv_plans_cache.clear()
+            _conv_plans_cache[key] = plan
+        bound = bind(op, args, kwargs)
+    else:
+        bound = args
+    x, w, bias, _, _, _, transposed, output_padding, groups = bound
+    stride, dilation = plan.stride, plan.dilation
+    mesh = x._spec.mesh
+    with op_context(op):
+        xl = x._local_tensor if plan.x_target is None else to_local(x, plan.x_target)
+        wl = w._local_tensor if plan.w_target is None else to_local(w, plan.w_target)
+        bl = None if bias is None else (bias._local_tensor if plan.b_target is None else to_local(bias, plan.b_target))
+        for i, d, wplan in plan.plans:
+            xl = halo.exchange(xl, wplan, d, mesh, i)
+        if plan.path == "tconv":
+            out = _tconv_forward(op, xl, wl, bl, plan.out_local_shape, plan.plans, plan.w_k, stride,
+                                 plan.local_padding, plan.padding, dilation, plan.local_output_padding, groups)
+        elif plan.path == "empty":
+            out = xl.new_zeros(plan.out_local_shape)
+            if bl is not None and _numel(plan.out_local_shape):
+                out += bl.view([1, -1] + [1] * (x.dim() - 2))
+        else:
+            out = op(xl, wl, bl, stride, plan.local_padding, dilation, transposed, output_padding, groups)
+    if tuple(out.shape) != plan.out_local_shape:  # never return a mislabelled shard
+        raise AssertionError(
+            f"{op}: local output {tuple(out.shape)} does not match {plan.out_spec} at {plan.coord} "
+            f"(modes {plan.modes})")
+    return wrap(out, plan.out_spec)
+
+
+def _plan_convolution(op, args, kwargs) -> _ConvPlan:
+    """Check one forward convolution call and plan it (the cached part of the handler)."""
     x, w, bias, stride, padding, dilation, transposed, output_padding, groups = bind(op, args, kwargs)
     check_dtensors(op, [x, w, bias])
     nsp = x.dim() - 2
@@ -320,30 +411,29 @@ def convolution_handler(op, args, kwargs):
     modes = conv_modes(x._spec, w._spec, transposed, groups)
     coord = C.mesh_coordinate(mesh)
     out_spec = DTensorSpec(mesh, placements_for(modes, "out"), tuple(gout.shape), tuple(gout.stride()), gout.dtype)
-    with op_context(op):
-        xl = to_local(x, placements_for(modes, "x"))
-        wl = to_local(w, placements_for(modes, "w"))
-        bl = to_local(bias, placements_for(modes, "bias")) if bias is not None else None
-        plans = _conv_plans(modes, x.shape, gout.shape, coord, mesh.shape, list(w.shape[2:]), stride, dilation,
-                            padding, transposed)
-        local_padding, local_output_padding = list(padding), list(output_padding)
-        for i, d, plan in plans:
-            xl = halo.exchange(xl, plan, d, mesh, i)
-            local_padding[d - 2] = local_output_padding[d - 2] = 0
-        out_local_shape = out_spec.local_shape(coord)
-        if transposed and plans:
-            out = _tconv_forward(op, xl, wl, bl, out_local_shape, plans, list(w.shape[2:]), stride, local_padding,
-                                 padding, dilation, local_output_padding, groups)
-        elif _numel(out_local_shape) == 0 or xl.numel() == 0 or wl.numel() == 0:
-            out = xl.new_zeros(out_local_shape)
-            if bl is not None and _numel(out_local_shape):
-                out += bl.view([1, -1] + [1] * nsp)
-        else:
-            out = op(xl, wl, bl, stride, local_padding, dilation, transposed, output_padding, groups)
-    if tuple(out.shape) != out_local_shape:  # never return a mislabelled shard
-        raise AssertionError(
-            f"{op}: local output {tuple(out.shape)} does not match {out_spec} at {coord} (modes {modes})")
-    return wrap(out, out_spec)
+    plans = _conv_plans(modes, x.shape, gout.shape, coord, mesh.shape, list(w.shape[2:]), stride, dilation,
+                        padding, transposed)
+    local_padding, local_output_padding = list(padding), list(output_padding)
+    for _, d, _ in plans:
+        local_padding[d - 2] = local_output_padding[d - 2] = 0
+    out_local_shape = out_spec.local_shape(coord)
+
+    def target(t, column):  # None: the tensor's own placements, its local tensor as it is
+        want = placements_for(modes, column)
+        return None if t is None or want == t._spec.placements else want
+
+    x_target = target(x, "x")
+    x_local_shape = (x._spec if x_target is None else x._spec.with_placements(x_target)).local_shape(coord)
+    w_local_shape = (w._spec if target(w, "w") is None else w._spec.with_placements(target(w, "w"))).local_shape(coord)
+    if transposed and plans:
+        path = "tconv"
+    elif _numel(out_local_shape) == 0 or _numel(_window_shape(x_local_shape, plans)) == 0 or _numel(w_local_shape) == 0:
+        path = "empty"
+    else:
+        path = "local"
+    return _ConvPlan(x_target=x_target, w_target=target(w, "w"), b_target=target(bias, "bias"), plans=plans,
+                     stride=stride, padding=padding, dilation=dilation, local_padding=local_padding, local_output_padding=local_output_padding, out_spec=out_spec,
+                     out_local_shape=out_local_shape, path=path, modes=modes, coord=coord, w_k=list(w.shape[2:]))
 
 
 def _numel(shape) -> int:
@@ -370,9 +460,98 @@ def _tconv_forward(op, xl, wl, bl, out_local_shape, plans, k_sizes, stride, loca
     return out
 
 
+class _ConvBackwardPlan:
+    """The cached part of a ``convolution_backward`` call (see :class:`_ConvPlan`)."""
+
+    __slots__ = ("g_target", "w_target", "x_target", "plans", "stride", "padding", "dilation", "output_padding",
+                 "local_padding", "local_output_padding", "window_shape", "specs", "out_shapes", "path",
+                 "local_bias", "mask", "w_k", "coord")
+
+    def __init__(self, **kw):
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+
+_conv_backward_cache: dict = {}
+
+
+def _register_backward_cache() -> None:
+    from dtshard import dispatch
+
+    dispatch.handler_caches.append(_conv_backward_cache)
+
+
+_register_backward_cache()
+
+
+def _conv_backward_key(args, kwargs):
+    from dtshard.dispatch import _DT
+
+    if kwargs or len(args) != 11:
+        return None
+    g, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, mask = args
+    if type(g) is not _DT or type(x) is not _DT or type(w) is not _DT:
+        return None
+    return (g._spec, x._spec, w._spec, None if bias_sizes is None else _tup(bias_sizes), _tup(stride),
+            _tup(padding), _tup(dilation), transposed, _tup(output_padding), groups, tuple(bool(m) for m in mask))
+
+
 @register_handler(aten.convolution_backward.default)
 def convolution_backward_handler(op, args, kwargs):
-    """Backward of :func:`convolution_handler` (same modes, so it matches the forward layout)."""
+    """Backward of :func:`convolution_handler` (same modes, so it matches the forward layout);
+    cached per (specs, arguments) like the forward."""
+    key = _conv_backward_key(args, kwargs)
+    plan = _conv_backward_cache.get(key) if key is not None else None
+    if plan is None:
+        plan = _plan_convolution_backward(op, args, kwargs)
+        if key is not None:
+            if len(_conv_backward_cache) > 4096:
+                _conv_backward_cache.clear()
+            _conv_backward_cache[key] = plan
+        bound = bind(op, args, kwargs)
+    else:
+        bound = args
+    g, x, w = bound[0], bound[1], bound[2]
+    transposed, groups = bound[7], bound[9]
+    mesh = x._spec.mesh
+    mask = plan.mask
+    with op_context(op):
+        # a Partial output takes a Replicate gradient
+        gl = g._local_tensor if plan.g_target is None else to_local(g, plan.g_target)
+        wl = w._local_tensor if plan.w_target is None else to_local(w, plan.w_target)
+        if mask[1]:  # grad_weight reads the input window
+            xl = x._local_tensor if plan.x_target is None else to_local(x, plan.x_target)
+            for i, d, wplan in plan.plans:
+                xl = halo.exchange(xl, wplan, d, mesh, i)
+        else:  # grad_input only needs the window's shape
+            xl = g._local_tensor.new_zeros(plan.window_shape)
+        if plan.path == "tconv":
+            gi, gw, gb = _tconv_backward(op, gl, xl, wl, plan.local_bias, plan.plans, plan.w_k, plan.stride,
+                                         plan.local_padding, plan.padding, plan.dilation, plan.local_output_padding,
+                                         groups, mask)
+        elif plan.path == "empty":
+            gi = xl.new_zeros(xl.shape) if mask[0] else None
+            gw = wl.new_zeros(wl.shape) if mask[1] else None
+            # the bias gradient needs no input (an empty in-channel chunk still has one)
+            gb = gl.sum([0] + list(range(2, gl.dim()))) if mask[2] and plan.local_bias is not None else None
+        else:
+            gi, gw, gb = op(gl, xl, wl, plan.local_bias, plan.stride, plan.local_padding, plan.dilation, transposed,
+                            plan.output_padding, groups, mask)
+        if mask[0]:
+            for i, d, wplan in reversed(plan.plans):
+                gi = halo.accumulate(gi, wplan, d, mesh, i)
+    outs = []
+    for t, spec, shape in zip((gi, gw, gb), plan.specs, plan.out_shapes):
+        if spec is None:
+            outs.append(None)
+            continue
+        if tuple(t.shape) != shape:
+            raise AssertionError(f"{op}: local gradient {tuple(t.shape)} does not match {spec} at {plan.coord}")
+        outs.append(wrap(t, spec))
+    return tuple(outs)
+
+
+def _plan_convolution_backward(op, args, kwargs) -> _ConvBackwardPlan:
     (g, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups,
      output_mask) = bind(op, args, kwargs)
     check_dtensors(op, [g, x, w])
@@ -389,45 +568,34 @@ def convolution_backward_handler(op, args, kwargs):
         (make_spec(mesh, placements_for(modes, "g_b"), bias_sizes, g.dtype)
          if mask[2] and bias_sizes is not None else None),
     ]
-    with op_context(op):
-        gl = to_local(g, placements_for(modes, "g_out"))  # a Partial output takes a Replicate gradient
-        wl = to_local(w, placements_for(modes, "w"))
-        x_target = placements_for(modes, "x")
-        plans = _conv_plans(modes, x.shape, g.shape, coord, mesh.shape, list(w.shape[2:]), stride, dilation,
-                            padding, transposed)
-        local_padding, local_output_padding = list(padding), list(output_padding)
-        for _, d, _ in plans:
-            local_padding[d - 2] = local_output_padding[d - 2] = 0
-        if mask[1]:  # grad_weight reads the input window
-            xl = to_local(x, x_target)
-            for i, d, plan in plans:
-                xl = halo.exchange(xl, plan, d, mesh, i)
-        else:  # grad_input only needs the window's shape
-            xl = g._local_tensor.new_zeros(_window_shape(x._spec.with_placements(x_target).local_shape(coord), plans))
-        local_bias = [gl.shape[1]] if bias_sizes is not None else None
-        if transposed and plans:
-            gi, gw, gb = _tconv_backward(op, gl, xl, wl, local_bias, plans, list(w.shape[2:]), stride, local_padding,
-                                         padding, dilation, local_output_padding, groups, mask)
-        elif gl.numel() == 0 or xl.numel() == 0 or wl.numel() == 0:
-            gi = xl.new_zeros(xl.shape) if mask[0] else None
-            gw = wl.new_zeros(wl.shape) if mask[1] else None
-            # the bias gradient needs no input (an empty in-channel chunk still has one)
-            gb = gl.sum([0] + list(range(2, gl.dim()))) if mask[2] and local_bias is not None else None
-        else:
-            gi, gw, gb = op(gl, xl, wl, local_bias, stride, local_padding, dilation, transposed,
-                            output_padding, groups, mask)
-        if mask[0]:
-            for i, d, plan in reversed(plans):
-                gi = halo.accumulate(gi, plan, d, mesh, i)
-    outs = []
-    for t, spec in zip((gi, gw, gb), specs):
-        if spec is None:
-            outs.append(None)
-            continue
-        if tuple(t.shape) != spec.local_shape(coord):
-            raise AssertionError(f"{op}: local gradient {tuple(t.shape)} does not match {spec} at {coord}")
-        outs.append(wrap(t, spec))
-    return tuple(outs)
+    plans = _conv_plans(modes, x.shape, g.shape, coord, mesh.shape, list(w.shape[2:]), stride, dilation,
+                        padding, transposed)
+    local_padding, local_output_padding = list(padding), list(output_padding)
+    for _, d, _ in plans:
+        local_padding[d - 2] = local_output_padding[d - 2] = 0
+
+    def target(t, column):
+        want = placements_for(modes, column)
+        return None if want == t._spec.placements else want
+
+    def local_shape(t, tgt):
+        return (t._spec if tgt is None else t._spec.with_placements(tgt)).local_shape(coord)
+
+    g_target, w_target, x_target = target(g, "g_out"), target(w, "w"), target(x, "x")
+    g_shape, w_shape = local_shape(g, g_target), local_shape(w, w_target)
+    window_shape = _window_shape(local_shape(x, x_target), plans)
+    if transposed and plans:
+        path = "tconv"
+    elif _numel(g_shape) == 0 or _numel(window_shape) == 0 or _numel(w_shape) == 0:
+        path = "empty"
+    else:
+        path = "local"
+    return _ConvBackwardPlan(
+        g_target=g_target, w_target=w_target, x_target=x_target, plans=plans, stride=stride, padding=padding,
+        dilation=dilation, output_padding=output_padding, local_padding=local_padding,
+        local_output_padding=local_output_padding, window_shape=window_shape, specs=specs,
+        out_shapes=[None if sp is None else sp.local_shape(coord) for sp in specs], path=path,
+        local_bias=[g_shape[1]] if bias_sizes is not None else None, mask=mask, w_k=list(w.shape[2:]), coord=coord)
 
 
 def _tconv_backward(op, gl, xl, wl, local_bias, plans, k_sizes, stride, local_padding, padding, dilation,
