@@ -11,6 +11,12 @@ classes are PyTorch's own.  See :func:`fully_shard` and ``dtshard/fsdp/_group.py
 
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
+try:  # PyTorch 2.13's SPMD form of fully_shard (dp_mesh_dims); older versions lack it
+    from torch.distributed.fsdp import DataParallelMeshDims
+except ImportError:  # pragma: no cover
+    DataParallelMeshDims = None
+
 from dtshard.fsdp._api import FSDPModule, UnshardHandle, fully_shard
 
-__all__ = ["CPUOffloadPolicy", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "UnshardHandle", "fully_shard"]
+__all__ = ["CPUOffloadPolicy", "DataParallelMeshDims", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy",
+           "UnshardHandle", "fully_shard"]

@@ -145,6 +145,75 @@ def _check_tp_param(where: str, fqn: str, p: DTensor, mesh) -> None:
         raise NotImplementedError(f"{where}: {desc} is 0-dim; FSDP shards dim 0")
 
 
+def _names(v) -> tuple:
+    return () if v is None else ((v,) if isinstance(v, str) else tuple(v))
+
+
+def _spmd_meshes(where: str, mesh, dims):
+    """``dp_mesh_dims``: the data-parallel mesh FSDP runs on (the shard dim, or the
+    ``(replicate, shard)`` dims for HSDP) and ``(full mesh, DP dim indices, other dim index or
+    None)``.  PyTorch 2.13's semantics; what dtshard does not support yet raises, the same on
+    every rank."""
+    shard, rep = _names(getattr(dims, "shard", None)), _names(getattr(dims, "replicate", None))
+    names = mesh.mesh_dim_names
+    if not shard and not rep:
+        raise ValueError(f"{where}: dp_mesh_dims needs shard or replicate set")
+    if names is None:
+        raise ValueError(f"{where}: dp_mesh_dims needs a mesh with mesh_dim_names, got {tuple(mesh.shape)}")
+    for n in shard + rep:
+        if n not in names:
+            raise ValueError(f"{where}: mesh dim name {n!r} of dp_mesh_dims is not in the mesh's {names}")
+    if not shard:
+        raise NotImplementedError(f"{where}: dp_mesh_dims without a shard dim (DDP: replicate only) is not "
+                                  "supported yet; use shard=")
+    if len(shard) > 1 or len(rep) > 1:
+        raise NotImplementedError(f"{where}: dp_mesh_dims with several shard or replicate dims {shard} {rep} "
+                                  "(flattened) is not supported yet; name one dim each")
+    if mesh._get_root_mesh() is not mesh:
+        raise NotImplementedError(f"{where}: dp_mesh_dims needs the full mesh (a root mesh), got a sub-mesh "
+                                  f"{tuple(mesh.shape)} {names}")
+    dp = [names.index(n) for n in rep + shard]
+    if rep and dp[0] > dp[1]:
+        raise NotImplementedError(f"{where}: dp_mesh_dims: the replicate dim {rep[0]!r} must come before the shard "
+                                  f"dim {shard[0]!r} in the mesh {names}")
+    others = [i for i in range(mesh.ndim) if i not in dp]
+    if len(others) > 1:
+        raise NotImplementedError(f"{where}: dp_mesh_dims on a mesh {names} with more than one non-data-parallel "
+                                  "dim is not supported yet")
+    dp_mesh = mesh[rep + shard] if rep else mesh[shard[0]]
+    return dp_mesh, (mesh, frozenset(dp), others[0] if others else None)
+
+
+def _from_spmd(where: str, params: list, spmd) -> tuple[list, dict]:
+    """``dp_mesh_dims``: each parameter is a dtshard DTensor on the full mesh, ``Replicate`` on
+    the DP dims.  FSDP shards its local tensor like an FSDP x TP parameter: as a DTensor on the
+    other mesh dim (``mesh[tp]``) with that dim's placement, or, with no other dim, as a plain
+    tensor.  Returns the params so converted and ``{fqn: (full mesh, placements, shape, DP dim
+    indices)}``: the layout the module gets back in forward."""
+    full, dp_dims, other = spmd
+    out, layouts = [], {}
+    for fqn, p, owners in params:
+        if not isinstance(p, DTensor) or p._spec.mesh is not full:
+            raise ValueError(
+                f"{where}: with dp_mesh_dims every parameter must be a dtshard DTensor on the mesh given to "
+                f"fully_shard {tuple(full.shape)} {full.mesh_dim_names} (e.g. via distribute_module); parameter "
+                f"{fqn!r} is {'a DTensor on another mesh' if isinstance(p, DTensor) else 'a plain tensor'}")
+        bad = [full.mesh_dim_names[i] for i in dp_dims if not p._spec.placements[i].is_replicate()]
+        if bad:
+            raise ValueError(f"{where}: parameter {fqn!r} has placements {p._spec.placements}: with dp_mesh_dims it "
+                             f"must be Replicate() on the data-parallel dims {bad}")
+        layouts[fqn] = (full, p._spec.placements, tuple(p.shape), dp_dims)
+        local = p._local_tensor.detach()
+        if other is None:
+            q = torch.nn.Parameter(local, requires_grad=p.requires_grad)
+        else:
+            tp_mesh = full[full.mesh_dim_names[other]]
+            q = torch.nn.Parameter(DTensor.from_local(local, tp_mesh, [p._spec.placements[other]], shape=p.shape,
+                                                      stride=p.stride()), requires_grad=p.requires_grad)
+        out.append((fqn, q, owners))
+    return out, layouts
+
+
 def _tp_mesh_inside(tp_mesh, mesh) -> bool:
     """Do all ranks of this rank's group of ``tp_mesh`` belong to its group of ``mesh`` (and the
     latter is larger)?  From the meshes' rank tables: the same answer on every rank."""
@@ -220,9 +289,17 @@ def fully_shard(
     on the 3-D mesh (``Replicate`` on the replicate dim), the all_gather runs over the shard dim,
     the reduce_scatter over the shard dim and the all_reduce over the replicate dim.
 
+    ``dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...)`` (PyTorch 2.13's SPMD form):
+    ``mesh`` is the full mesh and every parameter a DTensor on it, ``Replicate`` on the named
+    data-parallel dims; FSDP shards over the shard dim (HSDP: replicates over the replicate dim)
+    and hands the module DTensors on the full mesh in their original placements.  Their gradients
+    keep what autograd gives on the data-parallel dims (a ``Partial`` is reduced by FSDP's
+    reduce_scatter, no extra all_reduce) and are averaged over the data-parallel ranks, as in
+    PyTorch.  One shard dim, at most one replicate dim (before it) and at most one other dim.
+
     Not yet supported (raise): an int ``reshard_after_forward`` with FSDP x TP, placements
-    other than ``Shard(0)`` from ``shard_placement_fn``, ``dp_mesh_dims`` (FSDP on one SPMD
-    mesh), 0-dim parameters.
+    other than ``Shard(0)`` from ``shard_placement_fn``, ``dp_mesh_dims`` with several dims
+    flattened or without a shard dim, 0-dim parameters.
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     where = (f"fully_shard([{', '.join(type(m).__name__ for m in modules)}])" if isinstance(module, (list, tuple))
@@ -239,8 +316,6 @@ def fully_shard(
                              "module (bottom-up: blocks first, then the root)")
     if len({id(m) for m in modules}) != len(modules):
         raise ValueError(f"{where}: a module appears twice in the list")
-    if dp_mesh_dims is not None:
-        raise NotImplementedError(f"{where}: dp_mesh_dims (FSDP on an SPMD mesh with TP) is not supported yet")
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, (bool, int)):
         raise ValueError(f"{where}: reshard_after_forward must be None, a bool, or an int (the number of ranks "
                          f"to reshard to after forward), got {reshard_after_forward!r}")
@@ -249,6 +324,9 @@ def fully_shard(
     if not isinstance(offload_policy, OffloadPolicy):
         raise ValueError(f"{where}: offload_policy must be a torch.distributed.fsdp.OffloadPolicy")
     mesh = mesh if mesh is not None else _default_mesh()
+    spmd = None  # dp_mesh_dims: (the full SPMD mesh, its DP dim indices, its other dim or None)
+    if dp_mesh_dims is not None:
+        mesh, spmd = _spmd_meshes(where, mesh, dp_mesh_dims)
     if mesh.ndim not in (1, 2):
         raise ValueError(f"{where}: mesh {tuple(mesh.shape)} must be 1-D (FSDP) or 2-D (replicate, shard) (HSDP)")
     post_k = None  # reshard_after_forward=k: reshard to groups of k ranks after forward
@@ -292,6 +370,9 @@ def fully_shard(
                 if (sub, pname) not in [(o, n) for o, n in entry[2]]:
                     entry[2].append((sub, pname))
     params = list(owners.values())
+    spmd_layouts = {}
+    if spmd is not None:
+        params, spmd_layouts = _from_spmd(where, params, spmd)
     devices = sorted({str(p.device) for _, p, _ in params})
     if len(devices) > 1:
         listing = ", ".join(f"{fqn}: {p.device}" for fqn, p, _ in params)
@@ -349,7 +430,7 @@ def fully_shard(
                 if b is not None and b.device != device:
                     buf_owner._buffers[k] = b.to(device)
     group = ParamGroup(modules[0], params, mesh, device, mp_policy, offload_policy,
-                       reshard_after_forward if reshard_after_forward is not None else True)
+                       reshard_after_forward if reshard_after_forward is not None else True, spmd_layouts)
     if post_k is not None:
         group.post_forward_mesh = C.regrouped_mesh(mesh, post_k)
     state = FSDPState(modules, group, mp_policy, auto_reshard=reshard_after_forward is None)

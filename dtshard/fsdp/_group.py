@@ -71,13 +71,16 @@ class _ParamInfo:
     #: data x spatial: the parameter is replicated over a mesh INSIDE the FSDP mesh; its gradient
     #: stays a Partial over that mesh until FSDP's one reduce_scatter over all the ranks
     tp_inside: bool = False
+    #: dp_mesh_dims: ``(full mesh, placements, global shape, DP dims)`` of the DTensor the module gets
+    spmd: Optional[tuple] = None
 
 
 class ParamGroup:
     """The parameters of one ``fully_shard`` call.  States: sharded -> (gathering) -> unsharded."""
 
     def __init__(self, module: nn.Module, params: list, mesh, device: torch.device, mp_policy,
-                 offload_policy, reshard_after_forward: bool):
+                 offload_policy, reshard_after_forward: bool, spmd_layouts: Optional[dict] = None):
+        self.spmd_layouts = spmd_layouts or {}
         self.module = module
         self.mesh = mesh
         self.device = device
@@ -138,8 +141,11 @@ class ParamGroup:
                 # the spatial ranks hold partial terms of ONE batch's gradient: average over the
                 # data-parallel replicas only
                 self.dp_size = self.mesh.size() // p._spec.mesh.size()
+            spmd = self.spmd_layouts.get(fqn)
+            if spmd is not None and tp is None:  # no other mesh dim: FSDP's layout on the full mesh
+                spec = DTensorSpec(spmd[0], self._spmd_placements(spmd), shape, contiguous_strides(shape), p.dtype)
             self.infos.append(_ParamInfo(fqn, owners, shape, row_numel, c * row_numel, shard_off, local_rows,
-                                         full_off, numel, p.requires_grad, tp, spec, inside))
+                                         full_off, numel, p.requires_grad, tp, spec, inside, spmd))
             shard_off += c * row_numel
             full_off += numel
         self.S = shard_off
@@ -162,6 +168,13 @@ class ParamGroup:
         # stay the same objects across reshard / unshard
         self.flat_full = torch.empty(self.full_numel, dtype=self.param_dtype, device=self.device)
         self._free(self.flat_full)
+
+    def _spmd_placements(self, spmd) -> tuple:
+        """dp_mesh_dims without another mesh dim: the full mesh's placements of a sharded
+        parameter (``Shard(0)`` on the shard dim, ``Replicate`` on the replicate dim)."""
+        full = spmd[0]
+        dp_names = self.mesh.mesh_dim_names
+        return tuple(Shard(0) if n == dp_names[-1] else Replicate() for n in full.mesh_dim_names)
 
     @staticmethod
     def _shard_view(flat: torch.Tensor, info: _ParamInfo) -> torch.Tensor:
@@ -457,7 +470,7 @@ def _fsdp_tp_spec(dp_mesh, tp_spec: DTensorSpec) -> DTensorSpec:
     dp_names = tuple(dp_mesh.mesh_dim_names)
     shard_name = dp_names[-1]
     names = [n for n in root.mesh_dim_names if n in dp_names or n == tp_name]
-    mesh_n = root[tuple(names)]
+    mesh_n = root if tuple(names) == tuple(root.mesh_dim_names) else root[tuple(names)]
     placements = []
     for n in names:
         if n == tp_name:

@@ -24,6 +24,8 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_map
 
+from torch.distributed.tensor.placement_types import Replicate
+
 from dtshard.fsdp._group import ParamGroup
 
 
@@ -218,7 +220,10 @@ class FSDPState:
 
     def _bind_fulls(self, fulls) -> None:
         g = self.group
-        if g.has_tp:
+        if g.spmd_layouts:
+            fulls = [_SpmdParam.apply(full, info.spmd) if info.spmd is not None else full
+                     for full, info in zip(fulls, g.infos)]
+        elif g.has_tp:
             fulls = [full if info.tp is None else _tp_param(full, info) for full, info in zip(fulls, g.infos)]
         for full, info in zip(fulls, g.infos):
             for owner, name in info.owners:
@@ -314,6 +319,38 @@ class FSDPState:
             s._live = 0
             if s.group.state == "gathering":
                 s.group.reshard()
+
+
+class _SpmdParam(torch.autograd.Function):
+    """dp_mesh_dims: the gathered local parameter as the module's DTensor on the full mesh, in its
+    original placements.  In backward the gradient's non-data-parallel dims are brought to those
+    placements; on the data-parallel dims it keeps what autograd produced (a Partial sum is left
+    for FSDP's reduce_scatter, as PyTorch does: no extra all_reduce), and its local tensor goes to
+    FSDP's reduction."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, layout):
+        from dtshard.spec import DTensorSpec, contiguous_strides
+        from dtshard.tensor import DTensor
+
+        mesh, placements, shape, _ = layout
+        ctx.layout = layout
+        spec = DTensorSpec(mesh, placements, shape, contiguous_strides(shape), local.dtype)
+        return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from dtshard.tensor import DTensor, _promote_plain
+
+        mesh, placements, shape, dp_dims = ctx.layout
+        if not isinstance(grad, DTensor):
+            grad = _promote_plain(grad, mesh, shape=shape, what="the gradient of a dp_mesh_dims parameter")
+        target = tuple(
+            (g if (g.is_partial() or g.is_replicate()) else Replicate()) if i in dp_dims else p
+            for i, (g, p) in enumerate(zip(grad._spec.placements, placements)))
+        if target != grad._spec.placements:
+            grad = grad.redistribute(mesh, target)
+        return grad._local_tensor, None
 
 
 def _tp_param(local: torch.Tensor, info) -> torch.Tensor:
