@@ -193,19 +193,31 @@ handler_caches: list = []
 
 
 def clear_cache(*, plans: bool = True) -> None:
-    """Forget every cached plan and reload the handler table; ``plans=False`` only reloads the
-    handler table (no rule changed)."""
+    """Forget every cached plan (the dispatcher's and the handlers' own); ``plans=False`` only
+    reloads the handler table instead."""
     if plans:
         _cache.clear()
         for c in handler_caches:
             c.clear()
+    else:
+        _reload_handlers()
+
+
+def _reload_handlers() -> None:
     _handlers.clear()
     _handlers.update({id(op): _members_only(fn if op in registry.strided_handlers or op not in registry._entries
                                             else _plain_layouts(fn)) for op, fn in registry.handlers.items()})
 
 
-registry._on_change.append(clear_cache)
-clear_cache()
+def _registry_changed(*, plans: bool = True) -> None:
+    """The registry changed: reload the handler table, and forget the plans unless no rule changed."""
+    _reload_handlers()
+    if plans:
+        clear_cache()
+
+
+registry._on_change.append(_registry_changed)
+_registry_changed()
 
 
 def cache_info() -> dict:
