@@ -90,6 +90,8 @@ class _Variant:
     """One implementation + input placement: builds its DTensors once, runs steps."""
 
     def __init__(self, impl: str, place: str, x, w, b, g, padding: int):
+        self.overlap = impl == "dtshard+overlap"
+        impl = "dtshard" if self.overlap else impl
         self.impl, self.place, self.padding = impl, place, padding
         dim = int(place[1:])
         if impl == "dtshard":
@@ -115,6 +117,10 @@ class _Variant:
 
     def step(self, keep: bool = False):
         self.x.grad = self.w.grad = self.b.grad = None
+        if self.impl == "dtshard":
+            from dtshard.propagate import config
+
+            config.halo_overlap = self.overlap
         y = F.conv2d(self.x, self.w, self.b, padding=self.padding)
         y.backward(self.g)
         if not keep:  # timing: drop the step's tensors (memory of the --big run)
@@ -161,6 +167,8 @@ class _Variant:
 
 
 def _worker(rank: int, args, port: int, out_path: str):
+    global WORLD
+    WORLD = args.world
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
@@ -310,9 +318,13 @@ def main(argv=None):
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
-    p.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"impl:S<dim>,... (default {DEFAULT_VARIANTS})")
+    p.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"impl:S<dim>,... (default {DEFAULT_VARIANTS}); "
+                   "impl dtshard+overlap: dtshard with config.halo_overlap")
+    p.add_argument("--world", type=int, default=2, help="gloo ranks (default 2)")
     p.add_argument("--json", default=os.path.join(_ROOT, "benchmarks", "results", "bench_conv.json"))
     args = p.parse_args(argv)
+    global WORLD
+    WORLD = args.world
     if args.shape is None:
         args.shape = [8, 64, 512, 512] if args.big else [4, 32, 256, 256]
     if args.cout is None:

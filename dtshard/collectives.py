@@ -268,6 +268,13 @@ def all_gather(x: torch.Tensor, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor
     return _wait(_fc.all_gather_into_tensor(x, n, name))
 
 
+def can_overlap(x: torch.Tensor) -> bool:
+    """Can a collective on ``x`` be left in flight while the caller computes (eager, a plain
+    tensor, no tracing and no dispatch mode)?"""
+    return type(x) is torch.Tensor and not torch.compiler.is_compiling() and _current_mode() is None \
+        and not _in_flight[0]
+
+
 def reduce_scatter(x: torch.Tensor, op: str, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
     """Reduce ``x`` (shape ``(n*b, ...)``) over the group; rank ``i`` gets block ``i``."""
     name, n = _group(mesh, mesh_dim)

@@ -309,16 +309,29 @@ def halo_exchange(
     """The window of this rank along ``dim``: ``pad_left`` fill values, the pieces received from
     ranks ``0..n-1`` in rank order (this rank's own piece is ``x.narrow(dim, keep_offset,
     recv_lengths[me])``), ``pad_right`` fill values.  One all_to_all over ``mesh_dim``."""
+    recv = _exchange_send(x, dim, mesh_ref, mesh_dim, me, send_offsets, send_lengths, recv_lengths, any_traffic)
+    return _exchange_window(x, recv, dim, me, recv_lengths, keep_offset, pad_left, pad_right, fill)
+
+
+def _exchange_send(x, dim, mesh_ref, mesh_dim, me, send_offsets, send_lengths, recv_lengths, any_traffic):
+    """Pack and issue the exchange's all_to_all; its received buffer (None without traffic)."""
     per = _per(x.shape, dim)
     n = len(recv_lengths)
+    if not (any_traffic and per):
+        return None
     out_lengths = [0 if q == me else recv_lengths[q] for q in range(n)]
-    if any_traffic and per:
-        mesh = _mesh_by_id[mesh_ref]
-        ranges = [(send_offsets[r], send_lengths[r]) for r in range(n)]
-        flat = _pack_ranges(x, dim, ranges)
-        in_splits = [per * ln for ln in send_lengths]
-        out_splits = [per * ln for ln in out_lengths]
-        recv = C.all_to_all(flat, out_splits, in_splits, mesh, mesh_dim)
+    ranges = [(send_offsets[r], send_lengths[r]) for r in range(n)]
+    flat = _pack_ranges(x, dim, ranges)
+    in_splits = [per * ln for ln in send_lengths]
+    out_splits = [per * ln for ln in out_lengths]
+    return C.all_to_all(flat, out_splits, in_splits, _mesh_by_id[mesh_ref], mesh_dim)
+
+
+def _exchange_window(x, recv, dim, me, recv_lengths, keep_offset, pad_left, pad_right, fill):
+    """Assemble the window from the received buffer (waits for it when still in flight)."""
+    n = len(recv_lengths)
+    out_lengths = [0 if q == me else recv_lengths[q] for q in range(n)]
+    if recv is not None:
         pieces = _pieces(recv, x.shape, dim, out_lengths)
     else:
         # nothing crosses ranks, or every piece has zero elements (another dim is empty on the
@@ -439,6 +452,29 @@ def exchange(x: torch.Tensor, plan: WindowPlan, dim: int, mesh, mesh_dim: int, f
     if _identity(plan):
         return x
     return torch.ops.dtshard.halo_exchange(x, *_op_args(plan, dim, mesh, mesh_dim), float(fill))
+
+
+class PendingWindow:
+    """A halo exchange in flight (:func:`exchange_async`): ``wait()`` gives the window."""
+
+    def __init__(self, x, recv, plan: WindowPlan, dim: int):
+        self.x, self.recv, self.plan, self.dim = x, recv, plan, dim
+
+    def wait(self) -> torch.Tensor:
+        p = self.plan
+        if isinstance(self.recv, torch.Tensor) and hasattr(self.recv, "wait"):
+            self.recv = self.recv.wait()  # an AsyncCollectiveTensor
+        return _exchange_window(self.x, self.recv, self.dim, p.me, list(p.recv_lengths), p.keep_offset, p.pad_left,
+                                p.pad_right, 0.0)
+
+
+def exchange_async(x: torch.Tensor, plan: WindowPlan, dim: int, mesh, mesh_dim: int) -> PendingWindow:
+    """:func:`exchange` with the all_to_all left in flight (eager only, below autograd): the
+    caller computes what needs no halo, then ``wait()``s for the window."""
+    a = _op_args(plan, dim, mesh, mesh_dim)
+    with C.in_flight():
+        recv = _exchange_send(x, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[10])
+    return PendingWindow(x, recv, plan, dim)
 
 
 def accumulate(g: torch.Tensor, plan: WindowPlan, dim: int, mesh, mesh_dim: int) -> torch.Tensor:

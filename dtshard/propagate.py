@@ -58,6 +58,10 @@ class config:
     #: asynchronous all_reduce per bucket (``dtshard.grad_buckets``; DDP's 25 MiB); 0: one
     #: collective per gradient, right away.
     grad_bucket_bytes: int = 25 * 2**20
+    #: A spatially sharded convolution (one sharded dim) computes the output rows that need no
+    #: halo while its halo exchange is in flight, then the boundary rows (eager only).  Off by
+    #: default: on CPU with gloo it measured no gain (benchmarks/README.md, bench_conv.py).
+    halo_overlap: bool = False
     #: Debug/test switch: also run the meta kernel where a rule's ``meta`` function stands in for
     #: it, and raise RuleError when the two disagree (the OpInfo sweep turns this on).
     verify_meta: bool = False

@@ -315,7 +315,7 @@ class _ConvPlan:
     key: computed once by :func:`_plan_convolution`, then the call is local ops and exchanges."""
 
     __slots__ = ("x_target", "w_target", "b_target", "plans", "stride", "padding", "dilation", "local_padding",
-                 "local_output_padding", "out_spec", "out_local_shape", "path", "modes", "coord", "w_k")
+                 "local_output_padding", "out_spec", "out_local_shape", "path", "modes", "coord", "w_k", "overlap")
 
     def __init__(self, **kw):
         for k, v in kw.items():
@@ -379,6 +379,9 @@ def convolution_handler(op, args, kwargs):
         xl = x._local_tensor if plan.x_target is None else to_local(x, plan.x_target)
         wl = w._local_tensor if plan.w_target is None else to_local(w, plan.w_target)
         bl = None if bias is None else (bias._local_tensor if plan.b_target is None else to_local(bias, plan.b_target))
+        if plan.overlap is not None and _overlap_on(xl):
+            out = _overlapped(op, xl, wl, bl, plan, mesh, transposed, output_padding, groups)
+            return _checked(op, out, plan)
         for i, d, wplan in plan.plans:
             xl = halo.exchange(xl, wplan, d, mesh, i)
         if plan.path == "tconv":
@@ -395,6 +398,59 @@ def convolution_handler(op, args, kwargs):
             f"{op}: local output {tuple(out.shape)} does not match {plan.out_spec} at {plan.coord} "
             f"(modes {plan.modes})")
     return wrap(out, plan.out_spec)
+
+
+def _checked(op, out, plan):
+    if tuple(out.shape) != plan.out_local_shape:  # never return a mislabelled shard
+        raise AssertionError(
+            f"{op}: local output {tuple(out.shape)} does not match {plan.out_spec} at {plan.coord} "
+            f"(modes {plan.modes})")
+    return wrap(out, plan.out_spec)
+
+
+def _overlap_on(x) -> bool:
+    from dtshard.propagate import config
+
+    return config.halo_overlap and C.can_overlap(x)
+
+
+def _overlap_split(plans, x_local_shape, stride, padding, dilation, k_sizes):
+    """``(mesh dim, tensor dim, window plan, (oa, ob))``: the output rows ``[oa, ob)`` (global)
+    whose input windows lie in this rank's own shard, when the convolution has one sharded
+    dim with traffic and enough such rows to compute while the exchange is in flight (at least
+    half of the rank's rows); else None."""
+    if len(plans) != 1:
+        return None
+    i, d, wp = plans[0]
+    if not wp.any_traffic or wp.b <= wp.a:
+        return None
+    j = d - 2
+    s, p_l, k_eff = stride[j], padding[j], dilation[j] * (k_sizes[j] - 1) + 1
+    oa = max(wp.a, -(-(wp.c + p_l) // s))
+    ob = min(wp.b, (wp.e - k_eff + p_l) // s + 1)
+    if ob - oa < max(1, (wp.b - wp.a) // 2) or x_local_shape[d] != wp.e - wp.c:
+        return None
+    return (i, d, wp, (oa, ob), s, p_l, k_eff)
+
+
+def _overlapped(op, xl, wl, bl, plan, mesh, transposed, output_padding, groups):
+    """The convolution with its halo exchange in flight while the interior rows are computed
+    from the rank's own shard; then the boundary rows from the window; joined along the dim."""
+    i, d, wp, (oa, ob), s, p_l, k_eff = plan.overlap
+    pending = halo.exchange_async(xl, wp, d, mesh, i)
+
+    def conv(t):
+        return op(t, wl, bl, plan.stride, plan.local_padding, plan.dilation, transposed, output_padding, groups)
+
+    interior = conv(xl.narrow(d, oa * s - p_l - wp.c, (ob - oa - 1) * s + k_eff))
+    window = pending.wait()  # covers inputs [a*s - p_l, ...), the padding included
+    parts = []
+    if oa > wp.a:
+        parts.append(conv(window.narrow(d, 0, (oa - wp.a - 1) * s + k_eff)))
+    parts.append(interior)
+    if wp.b > ob:
+        parts.append(conv(window.narrow(d, (ob - wp.a) * s, (wp.b - ob - 1) * s + k_eff)))
+    return torch.cat(parts, d) if len(parts) > 1 else interior
 
 
 def _plan_convolution(op, args, kwargs) -> _ConvPlan:
@@ -431,7 +487,10 @@ def _plan_convolution(op, args, kwargs) -> _ConvPlan:
         path = "empty"
     else:
         path = "local"
+    overlap = _overlap_split(plans, x_local_shape, stride, padding, dilation, list(w.shape[2:])) \
+        if path == "local" and not transposed else None
     return _ConvPlan(x_target=x_target, w_target=target(w, "w"), b_target=target(bias, "bias"), plans=plans,
+                     overlap=overlap,
                      stride=stride, padding=padding, dilation=dilation, local_padding=local_padding, local_output_padding=local_output_padding, out_spec=out_spec,
                      out_local_shape=out_local_shape, path=path, modes=modes, coord=coord, w_k=list(w.shape[2:]))
 
