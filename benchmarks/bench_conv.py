@@ -90,8 +90,9 @@ class _Variant:
     """One implementation + input placement: builds its DTensors once, runs steps."""
 
     def __init__(self, impl: str, place: str, x, w, b, g, padding: int):
-        self.overlap = impl == "dtshard+overlap"
-        impl = "dtshard" if self.overlap else impl
+        # dtshard: config.halo_overlap off; dtshard+bwd: backward only; dtshard+overlap: both
+        self.overlap = {"dtshard": (False, False), "dtshard+bwd": (True, False), "dtshard+overlap": (True, True)}.get(impl)
+        impl = "dtshard" if self.overlap is not None else impl
         self.impl, self.place, self.padding = impl, place, padding
         dim = int(place[1:])
         if impl == "dtshard":
@@ -120,7 +121,7 @@ class _Variant:
         if self.impl == "dtshard":
             from dtshard.propagate import config
 
-            config.halo_overlap = self.overlap
+            config.halo_overlap, config.halo_overlap_forward = self.overlap
         y = F.conv2d(self.x, self.w, self.b, padding=self.padding)
         y.backward(self.g)
         if not keep:  # timing: drop the step's tensors (memory of the --big run)
@@ -319,7 +320,7 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     p.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"impl:S<dim>,... (default {DEFAULT_VARIANTS}); "
-                   "impl dtshard+overlap: dtshard with config.halo_overlap")
+                   "dtshard: config.halo_overlap off, dtshard+bwd: backward only, dtshard+overlap: forward and backward")
     p.add_argument("--world", type=int, default=2, help="gloo ranks (default 2)")
     p.add_argument("--json", default=os.path.join(_ROOT, "benchmarks", "results", "bench_conv.json"))
     args = p.parse_args(argv)

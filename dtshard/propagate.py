@@ -58,10 +58,14 @@ class config:
     #: asynchronous all_reduce per bucket (``dtshard.grad_buckets``; DDP's 25 MiB); 0: one
     #: collective per gradient, right away.
     grad_bucket_bytes: int = 25 * 2**20
-    #: A spatially sharded convolution (one sharded dim) computes the output rows that need no
-    #: halo while its halo exchange is in flight, then the boundary rows (eager only).  Off by
-    #: default: on CPU with gloo it measured no gain (benchmarks/README.md, bench_conv.py).
-    halo_overlap: bool = False
+    #: A spatially sharded convolution (one sharded dim) overlaps its halo exchanges with compute
+    #: (eager only): in backward the input window for the weight gradient travels while the
+    #: input gradient is computed; in forward (``halo_overlap_forward``) the output rows that need
+    #: no halo are computed while the window travels, then the boundary rows.  Measured with
+    #: bench_conv.py (benchmarks/README.md): backward 7% faster on 2 and 4 CPU ranks, forward
+    #: no gain there (its join costs a copy of the output), so the forward part is off by default.
+    halo_overlap: bool = True
+    halo_overlap_forward: bool = False
     #: Debug/test switch: also run the meta kernel where a rule's ``meta`` function stands in for
     #: it, and raise RuleError when the two disagree (the OpInfo sweep turns this on).
     verify_meta: bool = False

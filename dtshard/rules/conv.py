@@ -379,7 +379,7 @@ def convolution_handler(op, args, kwargs):
         xl = x._local_tensor if plan.x_target is None else to_local(x, plan.x_target)
         wl = w._local_tensor if plan.w_target is None else to_local(w, plan.w_target)
         bl = None if bias is None else (bias._local_tensor if plan.b_target is None else to_local(bias, plan.b_target))
-        if plan.overlap is not None and _overlap_on(xl):
+        if plan.overlap is not None and _overlap_on(xl, forward=True):
             out = _overlapped(op, xl, wl, bl, plan, mesh, transposed, output_padding, groups)
             return _checked(op, out, plan)
         for i, d, wplan in plan.plans:
@@ -408,10 +408,10 @@ def _checked(op, out, plan):
     return wrap(out, plan.out_spec)
 
 
-def _overlap_on(x) -> bool:
+def _overlap_on(x, forward: bool = False) -> bool:
     from dtshard.propagate import config
 
-    return config.halo_overlap and C.can_overlap(x)
+    return config.halo_overlap and (config.halo_overlap_forward or not forward) and C.can_overlap(x)
 
 
 def _overlap_split(plans, x_local_shape, stride, padding, dilation, k_sizes):
@@ -578,6 +578,21 @@ def convolution_backward_handler(op, args, kwargs):
         # a Partial output takes a Replicate gradient
         gl = g._local_tensor if plan.g_target is None else to_local(g, plan.g_target)
         wl = w._local_tensor if plan.w_target is None else to_local(w, plan.w_target)
+        if (mask[0] and mask[1] and plan.path == "local" and len(plan.plans) == 1 and plan.plans[0][2].any_traffic
+                and _overlap_on(gl)):
+            # the input window (for the weight gradient) travels while the input gradient is
+            # computed; the input gradient needs only the window's shape
+            xo = x._local_tensor if plan.x_target is None else to_local(x, plan.x_target)
+            i, d, wplan = plan.plans[0]
+            pending = halo.exchange_async(xo, wplan, d, mesh, i)
+            shape_only = gl.new_zeros(plan.window_shape)
+            gi, _, _ = op(gl, shape_only, wl, None, plan.stride, plan.local_padding, plan.dilation, transposed,
+                          plan.output_padding, groups, [True, False, False])
+            del shape_only
+            _, gw, gb = op(gl, pending.wait(), wl, plan.local_bias, plan.stride, plan.local_padding, plan.dilation,
+                           transposed, plan.output_padding, groups, [False, True, mask[2]])
+            gi = halo.accumulate(gi, wplan, d, mesh, i)
+            return _wrap_grads(op, (gi, gw, gb), plan)
         if mask[1]:  # grad_weight reads the input window
             xl = x._local_tensor if plan.x_target is None else to_local(x, plan.x_target)
             for i, d, wplan in plan.plans:
@@ -599,8 +614,12 @@ def convolution_backward_handler(op, args, kwargs):
         if mask[0]:
             for i, d, wplan in reversed(plan.plans):
                 gi = halo.accumulate(gi, wplan, d, mesh, i)
+    return _wrap_grads(op, (gi, gw, gb), plan)
+
+
+def _wrap_grads(op, grads, plan) -> tuple:
     outs = []
-    for t, spec, shape in zip((gi, gw, gb), plan.specs, plan.out_shapes):
+    for t, spec, shape in zip(grads, plan.specs, plan.out_shapes):
         if spec is None:
             outs.append(None)
             continue

@@ -1,10 +1,13 @@
-"""``config.halo_overlap``: a spatially sharded convolution computes the output rows that need
-no halo while its halo exchange is in flight, then the boundary rows from the window.
+"""``config.halo_overlap`` (and ``halo_overlap_forward``): a spatially sharded convolution
+computes the output rows that need no halo while its halo exchange is in flight, then the
+boundary rows from the window; its backward computes the input gradient while the input window
+for the weight gradient travels.
 
 Checked in float64 on 2, 3 and 4 ranks (uneven shards, strided, dilated, even kernels, a local
 extent barely above the stencil): the output equals the same op in one process and the
-non-overlapped path, the split was really taken (the cached plan has it) and backward still
-works (it does not overlap).
+non-overlapped path, the split was really taken (the cached plan has it); in backward the input
+window for the weight gradient travels while the input gradient is computed, and both gradients
+equal one process's.
 """
 
 from __future__ import annotations
@@ -38,26 +41,31 @@ def _run(cases):
         x = torch.randn(2, 3, h, 9, generator=g, dtype=torch.float64)
         w = torch.randn(4, 3, k, 3, generator=g, dtype=torch.float64)
         b = torch.randn(4, generator=g, dtype=torch.float64)
-        ref = F.conv2d(x, w, b, stride=(s, 1), padding=(p, 1), dilation=(d, 1))
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        ref = F.conv2d(xr, wr, b, stride=(s, 1), padding=(p, 1), dilation=(d, 1))
+        ref.sum().backward()
         dx = dtshard.distribute_tensor(x, mesh, [Shard(2)]).requires_grad_()
-        dw = dtshard.distribute_tensor(w, mesh, [Replicate()])
+        dw = dtshard.distribute_tensor(w, mesh, [Replicate()]).requires_grad_()
         db = dtshard.distribute_tensor(b, mesh, [Replicate()])
         res = {}
+        saved = (config.halo_overlap, config.halo_overlap_forward)
         for on in (False, True):
-            config.halo_overlap = on
+            config.halo_overlap = config.halo_overlap_forward = on
             try:
                 conv_rules._conv_plans_cache.clear()
                 y = F.conv2d(dx, dw, db, stride=(s, 1), padding=(p, 1), dilation=(d, 1))
                 split = any(pl.overlap is not None for pl in conv_rules._conv_plans_cache.values())
                 y.sum().backward()
-                res[on] = (y.full_tensor(), dx.grad.full_tensor(), split)
-                dx.grad = None
+                res[on] = (y.full_tensor(), dx.grad.full_tensor(), split, dw.grad.full_tensor())
+                dx.grad = dw.grad = None
             finally:
-                config.halo_overlap = False
+                config.halo_overlap, config.halo_overlap_forward = saved
         split_any = [None] * n
         torch.distributed.all_gather_object(split_any, res[True][2])
         out.append(((res[True][0] - ref).abs().max().item(), (res[True][0] - res[False][0]).abs().max().item(),
-                    (res[True][1] - res[False][1]).abs().max().item(), any(split_any), y.placements))
+                    max((res[True][1] - xr.grad).abs().max().item(), (res[True][3] - wr.grad).abs().max().item(),
+                        (res[True][1] - res[False][1]).abs().max().item()),
+                    any(split_any), y.placements))
     return out
 
 
