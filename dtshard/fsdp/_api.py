@@ -190,10 +190,12 @@ def _from_spmd(where: str, params: list, spmd) -> tuple[list, dict]:
     other mesh dim (``mesh[tp]``) with that dim's placement, or, with no other dim, as a plain
     tensor.  Returns the params so converted and ``{fqn: (full mesh, placements, shape, DP dim
     indices)}``: the layout the module gets back in forward."""
+    from dtshard.spec import mesh_identity
+
     full, dp_dims, other = spmd
     out, layouts = [], {}
     for fqn, p, owners in params:
-        if not isinstance(p, DTensor) or p._spec.mesh is not full:
+        if not isinstance(p, DTensor) or mesh_identity(p._spec.mesh) != mesh_identity(full):
             raise ValueError(
                 f"{where}: with dp_mesh_dims every parameter must be a dtshard DTensor on the mesh given to "
                 f"fully_shard {tuple(full.shape)} {full.mesh_dim_names} (e.g. via distribute_module); parameter "

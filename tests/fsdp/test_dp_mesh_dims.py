@@ -56,6 +56,9 @@ def _run(kind: str, steps: int = 3):
         mesh = (torch_mesh if lib == "torch" else dtshard.init_device_mesh)("cpu", (2, 2), mesh_dim_names=names)
         model = copy.deepcopy(base)
         _place(lib, mesh, model, _TP if kind == "fsdp_tp" else None)
+        # PyTorch may hand its DTensors an equal mesh object made earlier in this process; its
+        # fully_shard wants that very object
+        mesh = next(model.parameters()).device_mesh
         (torch_fully_shard if lib == "torch" else fully_shard)(model, mesh=mesh, dp_mesh_dims=dims)
         layout = {n: str(p.placements) for n, p in model.named_parameters()}
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
