@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from dtshard.testing import run_distributed
+from dtshard.testing import run_distributed, shutdown_pools
 
 _TP = {"0.weight": ("R", "S0"), "0.bias": ("R", "S0"), "2.weight": ("R", "S1"), "2.bias": ("R", "R")}
 
@@ -56,9 +56,6 @@ def _run(kind: str, steps: int = 3):
         mesh = (torch_mesh if lib == "torch" else dtshard.init_device_mesh)("cpu", (2, 2), mesh_dim_names=names)
         model = copy.deepcopy(base)
         _place(lib, mesh, model, _TP if kind == "fsdp_tp" else None)
-        # PyTorch may hand its DTensors an equal mesh object made earlier in this process; its
-        # fully_shard wants that very object
-        mesh = next(model.parameters()).device_mesh
         (torch_fully_shard if lib == "torch" else fully_shard)(model, mesh=mesh, dp_mesh_dims=dims)
         layout = {n: str(p.placements) for n, p in model.named_parameters()}
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -87,6 +84,10 @@ def _run(kind: str, steps: int = 3):
 
 @pytest.mark.parametrize("kind", ["fsdp_tp", "hsdp"])
 def test_dp_mesh_dims_matches_pytorch(kind):
+    # fresh workers: PyTorch's dispatch caches (its specs compare meshes by layout) can hand a
+    # new DTensor an equal mesh OBJECT that an earlier test in the same process made, and its
+    # SPMD fully_shard rejects a parameter whose mesh is not the very object passed to it
+    shutdown_pools()
     for r in run_distributed(_run, 4, kind, timeout=300):
         t, d = r["torch"], r["dtshard"]
         assert d["layout"] == t["layout"], (d["layout"], t["layout"])
