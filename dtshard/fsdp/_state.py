@@ -174,6 +174,11 @@ class FSDPState:
     # and reshard_after_forward is recomputation (the all_gather runs again in backward).
     # Prefetch and overlap are the compiler's scheduling of the functional collectives.
     def _traced_pre_forward(self, args, kwargs):
+        if self.group.spmd_layouts:
+            raise NotImplementedError(
+                f"dtshard.fsdp: torch.compile of a fully_shard module with dp_mesh_dims "
+                f"({type(self.module).__name__}) is not supported yet; compile without dp_mesh_dims "
+                "(mesh=mesh['dp'] with tensor-parallel parameters on mesh['tp']) or run it eagerly")
         if not self._bound:  # a module list: the first module to run gathers the group
             reshard = self.has_parent if self.auto_reshard else self.group.reshard_after_forward
             self._bind_fulls(self.group.traced_full_params(recompute=reshard))
