@@ -20,7 +20,8 @@ from torch.distributed.tensor.placement_types import Partial
 from dtshard import _trace
 from dtshard.spec import placements_str
 
-__all__ = ["CommCounter", "CommDebugMode", "CommRecord", "CopyCounter", "explain", "plan_log", "visualize_sharding"]
+__all__ = ["CommCounter", "CommDebugMode", "CommRecord", "CopyCounter", "explain", "peak_alloc_bytes", "plan_log",
+           "visualize_sharding"]
 
 
 @dataclass(frozen=True)
@@ -433,3 +434,22 @@ def _draw(table, spec, path: str) -> None:
     ax.set_title(f"{tuple(spec.shape)} {placements_str(spec.placements)} mesh {tuple(spec.mesh.shape)}")
     fig.savefig(path, dpi=80, bbox_inches="tight")
     plt.close(fig)
+
+
+def peak_alloc_bytes(fn) -> int:
+    """Peak increase of the bytes allocated through PyTorch's CPU allocator while ``fn()`` runs,
+    above what was allocated before it: the allocation and free events ``torch.profiler``
+    records with ``profile_memory=True`` (every tensor and storage allocation, collective buffers
+    and storage resizes included), summed in time order.  Not RSS.  Used by the FSDP memory
+    tests, the 3-D UNet demo and ``benchmarks/bench_fsdp.py``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    cur = peak = 0
+    for e in events:
+        cur += e.nbytes()
+        peak = max(peak, cur)
+    return peak

@@ -66,7 +66,7 @@ import torch.nn.functional as F
 
 import dtshard
 from dtshard import Replicate, Shard, distribute_module, distribute_tensor, init_device_mesh
-from dtshard.debug import CommCounter
+from dtshard.debug import CommCounter, peak_alloc_bytes
 
 # Tolerance of the comparison with the single-process model (float32): |a - b| <= ATOL + RTOL * |b|
 RTOL = 1e-5
@@ -421,22 +421,6 @@ def report_cnn(steps: int, world: int, ranks: list[dict], elapsed: float, height
     return ok
 
 
-def _peak_alloc_bytes(fn) -> int:
-    """Peak bytes allocated through PyTorch's CPU allocator while ``fn`` runs, above what was
-    allocated before it (``torch.profiler`` memory events; not RSS)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    cur = peak = 0
-    for e in events:
-        cur += e.nbytes()
-        peak = max(peak, cur)
-    return peak
-
-
 #: the ops whose all_to_all are halo exchanges (forward and backward)
 _HALO_OPS = ("convolution", "upsample", "pool", "constant_pad")
 
@@ -487,8 +471,8 @@ def train_unet3d_worker(steps: int, size: tuple = (16, 16, 8), mem_size: tuple =
     xd, yd = distribute_tensor(x, mesh, placements), distribute_tensor(y, mesh, placements)
     for m in (model, ref):
         m.zero_grad(set_to_none=False)  # gradient buffers exist already: not counted as activations
-    peak_ref = _peak_alloc_bytes(lambda: F.mse_loss(ref(x), y).backward())
-    peak = _peak_alloc_bytes(lambda: F.mse_loss(model(xd), yd).backward())
+    peak_ref = peak_alloc_bytes(lambda: F.mse_loss(ref(x), y).backward())
+    peak = peak_alloc_bytes(lambda: F.mse_loss(model(xd), yd).backward())
     return {"rows": rows, "peak": peak, "peak_ref": peak_ref, "mesh": tuple(mesh.shape), "dims": dims,
             "mem_local": tuple(xd.to_local().shape[2:])}
 

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 import dtshard
 from dtshard import Replicate, Shard
-from dtshard.debug import CommCounter
+from dtshard.debug import CommCounter, peak_alloc_bytes
 from dtshard.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from dtshard.models import ResidualMLP
 from dtshard.testing import run_distributed
@@ -451,29 +451,11 @@ def _checkpoint_and_eval(_=None):
     return out
 
 
-def _peak_bytes(fn) -> int:
-    """Peak increase of the bytes allocated through PyTorch's CPU allocator while ``fn`` runs:
-    the allocation and free events that ``torch.profiler`` records with ``profile_memory=True``
-    (every tensor and storage allocation, the all_gather buffers and storage resizes included),
-    summed in time order."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    cur = peak = 0
-    for e in events:
-        cur += e.nbytes()
-        peak = max(peak, cur)
-    return peak
-
-
 def _memory(_=None, n_blocks: int = 6, d: int = 512):
     """Peak forward memory: at most 3 blocks' full parameters plus the root's (+ 1 MB for the
     activations of a 4-row batch) above what was allocated before the forward (the sharded
     parameters, P/W, so this is stricter than ``(3 P_block + P_nonblock + P/W) * itemsize``).
-    Measured by :func:`_peak_bytes`.  What it sees on gloo: block i's full parameters, block i+1's
+    Measured by :func:`dtshard.debug.peak_alloc_bytes`.  What it sees on gloo: block i's full parameters, block i+1's
     gathered buffer in flight, and gloo's own flat staging copy of that output (NCCL gathers in
     place), so about 3 P_block; without resharding every block's full parameters stay."""
     mesh = dtshard.init_device_mesh("cpu", (dist.get_world_size(),))
@@ -490,7 +472,7 @@ def _memory(_=None, n_blocks: int = 6, d: int = 512):
         model(x).sum().backward()  # the first step fixes the forward order (prefetch from step 2)
         model.zero_grad()
         out = []
-        res[raf] = (_peak_bytes(lambda: out.append(model(x))), 3 * p_block + p_root + 2**20, p_block)
+        res[raf] = (peak_alloc_bytes(lambda: out.append(model(x))), 3 * p_block + p_root + 2**20, p_block)
         out[0].sum().backward()
     return res
 
