@@ -310,28 +310,40 @@ def _window_shape(local_shape, plans) -> list[int]:
 # ---------------------------------------------------------------------------------------------
 
 
-class _ConvPlan:
-    """Everything a forward convolution call needs beyond its tensors, for one (specs, args)
-    key: computed once by :func:`_plan_convolution`, then the call is local ops and exchanges."""
+class _Plan:
+    """A handler's cached plan: attributes set from keywords (subclasses name them in __slots__)."""
 
-    __slots__ = ("x_target", "w_target", "b_target", "plans", "stride", "padding", "dilation", "local_padding",
-                 "local_output_padding", "out_spec", "out_local_shape", "path", "modes", "coord", "w_k", "overlap")
+    __slots__ = ()
 
     def __init__(self, **kw):
         for k, v in kw.items():
             setattr(self, k, v)
 
 
+def _cached_plan(cache: dict, key, plan_fn, op, args, kwargs):
+    """``(plan, bound arguments)``: the plan cached under ``key`` (then the arguments are the
+    positional ``args`` the key was built from), else ``plan_fn(op, args, kwargs)``, stored when
+    there is a key (``key`` None: a call the key cannot describe, planned every time)."""
+    plan = cache.get(key) if key is not None else None
+    if plan is not None:
+        return plan, args
+    plan = plan_fn(op, args, kwargs)
+    if key is not None:
+        if len(cache) > 4096:
+            cache.clear()
+        cache[key] = plan
+    return plan, bind(op, args, kwargs)
+
+
+class _ConvPlan(_Plan):
+    """Everything a forward convolution call needs beyond its tensors, for one (specs, args)
+    key: computed once by :func:`_plan_convolution`, then the call is local ops and exchanges."""
+
+    __slots__ = ("x_target", "w_target", "b_target", "plans", "stride", "padding", "dilation", "local_padding",
+                 "local_output_padding", "out_spec", "out_local_shape", "path", "modes", "coord", "w_k", "overlap")
+
+
 _conv_plans_cache: dict = {}
-
-
-def _register_cache() -> None:
-    from dtshard import dispatch
-
-    dispatch.handler_caches.append(_conv_plans_cache)
-
-
-_register_cache()
 
 
 def _tup(v):
@@ -361,17 +373,7 @@ def convolution_handler(op, args, kwargs):
     """Forward convolution on DTensors (any mode of the module docstring, per mesh dim).  A call
     whose (specs, arguments) were seen before runs its cached :class:`_ConvPlan`: no argument
     binding, mode table or window arithmetic per call."""
-    key = _conv_key(args, kwargs)
-    plan = _conv_plans_cache.get(key) if key is not None else None
-    if plan is None:
-        plan = _plan_convolution(op, args, kwargs)
-        if key is not None:
-            if len(_conv_plans_cache) > 4096:
-                _conv_plans_cache.clear()
-            _conv_plans_cache[key] = plan
-        bound = bind(op, args, kwargs)
-    else:
-        bound = args
+    plan, bound = _cached_plan(_conv_plans_cache, _conv_key(args, kwargs), _plan_convolution, op, args, kwargs)
     x, w, bias, _, _, _, transposed, output_padding, groups = bound
     stride, dilation = plan.stride, plan.dilation
     mesh = x._spec.mesh
@@ -393,11 +395,7 @@ def convolution_handler(op, args, kwargs):
                 out += bl.view([1, -1] + [1] * (x.dim() - 2))
         else:
             out = op(xl, wl, bl, stride, plan.local_padding, dilation, transposed, output_padding, groups)
-    if tuple(out.shape) != plan.out_local_shape:  # never return a mislabelled shard
-        raise AssertionError(
-            f"{op}: local output {tuple(out.shape)} does not match {plan.out_spec} at {plan.coord} "
-            f"(modes {plan.modes})")
-    return wrap(out, plan.out_spec)
+    return _checked(op, out, plan)
 
 
 def _checked(op, out, plan):
@@ -519,28 +517,24 @@ def _tconv_forward(op, xl, wl, bl, out_local_shape, plans, k_sizes, stride, loca
     return out
 
 
-class _ConvBackwardPlan:
+class _ConvBackwardPlan(_Plan):
     """The cached part of a ``convolution_backward`` call (see :class:`_ConvPlan`)."""
 
     __slots__ = ("g_target", "w_target", "x_target", "plans", "stride", "padding", "dilation", "output_padding",
                  "local_padding", "local_output_padding", "window_shape", "specs", "out_shapes", "path",
                  "local_bias", "mask", "w_k", "coord")
 
-    def __init__(self, **kw):
-        for k, v in kw.items():
-            setattr(self, k, v)
-
 
 _conv_backward_cache: dict = {}
 
 
-def _register_backward_cache() -> None:
+def _register_caches() -> None:
     from dtshard import dispatch
 
-    dispatch.handler_caches.append(_conv_backward_cache)
+    dispatch.handler_caches.extend([_conv_plans_cache, _conv_backward_cache])
 
 
-_register_backward_cache()
+_register_caches()
 
 
 def _conv_backward_key(args, kwargs):
@@ -559,17 +553,8 @@ def _conv_backward_key(args, kwargs):
 def convolution_backward_handler(op, args, kwargs):
     """Backward of :func:`convolution_handler` (same modes, so it matches the forward layout);
     cached per (specs, arguments) like the forward."""
-    key = _conv_backward_key(args, kwargs)
-    plan = _conv_backward_cache.get(key) if key is not None else None
-    if plan is None:
-        plan = _plan_convolution_backward(op, args, kwargs)
-        if key is not None:
-            if len(_conv_backward_cache) > 4096:
-                _conv_backward_cache.clear()
-            _conv_backward_cache[key] = plan
-        bound = bind(op, args, kwargs)
-    else:
-        bound = args
+    plan, bound = _cached_plan(_conv_backward_cache, _conv_backward_key(args, kwargs), _plan_convolution_backward,
+                               op, args, kwargs)
     g, x, w = bound[0], bound[1], bound[2]
     transposed, groups = bound[7], bound[9]
     mesh = x._spec.mesh
