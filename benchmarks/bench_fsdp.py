@@ -13,11 +13,19 @@ two interleaved (A B A B ...) so machine noise hits both alike.  Per training st
   included), max over ranks of the per-rank medians;
 - collectives and bytes sent per step, counted for both libraries the same way: a dispatch mode
   that sees every c10d / functional collective op the rank issues;
-- peak memory of a step above what was allocated before it, from the allocation events of
-  ``torch.profiler`` (``profile_memory=True``: every tensor and storage allocation through
-  PyTorch's CPU allocator, the all_gather buffers and storage resizes included; not RSS), the
-  median of 5 profiled steps (it moves by a few MiB with the moment asynchronous collectives
-  finish and free their buffers);
+- peak memory of a step above the memory in use before it, the median of 5 steps, measured in a
+  second run of the same models (so the measurement does not slow the timed steps), by one of
+  two methods (``--memory``):
+
+  - ``rss`` (the default): the kernel's resident-memory high-water mark of the rank's process
+    (``dtshard.debug.peak_rss_bytes``), the process started with ``MALLOC_MMAP_THRESHOLD_=65536``
+    so every tensor of 64 KiB or more is its own mapping, returned to the OS the moment it is
+    freed, by whichever thread frees it;
+  - ``alloc``: the allocation and free events of ``torch.profiler`` (``profile_memory=True``,
+    ``dtshard.debug.peak_alloc_bytes``).  It misses a free made by a thread without the
+    profiler's thread-local state: a gloo worker thread that drops the last reference to a
+    collective's buffers, which is the usual case for the functional collectives of a compiled
+    graph, so it over-counts compiled steps by several MiB, by a different amount each step;
 - the loss after the last step (both must agree: same model, same data).
 
 Configs: ``mlp`` (8 residual MLP blocks, 2 ranks, FSDP), ``llama`` (the Llama model of
@@ -90,11 +98,13 @@ def _nbytes(x) -> int:
     return 0
 
 
-def _peak_bytes(fn) -> int:
-    """dtshard.debug.peak_alloc_bytes (this checkout's): the profiler's allocation events."""
-    from dtshard.debug import peak_alloc_bytes
+def _peak_bytes(fn, memory: str = "rss") -> int:
+    """Peak memory of ``fn()`` by this checkout's ``dtshard.debug.peak_rss_bytes`` (``memory="rss"``:
+    the process's resident high-water mark) or ``peak_alloc_bytes`` (``"alloc"``: the profiler's
+    allocation events)."""
+    from dtshard.debug import peak_alloc_bytes, peak_rss_bytes
 
-    return peak_alloc_bytes(fn)
+    return (peak_rss_bytes if memory == "rss" else peak_alloc_bytes)(fn)
 
 
 class MLP(nn.Module):
@@ -199,7 +209,9 @@ def _value(loss) -> float:
     return float((full() if full is not None else loss).detach())
 
 
-def worker(rank, world, configs, steps, port, out_path, compile_too=False):
+def worker(rank, world, configs, steps, port, out_path, compile_too=False, memory=None):
+    """One run of ``configs``: timed steps (``memory=None``) or, with ``memory`` "rss" or "alloc",
+    only peak-memory steps (two warm-up steps, then 5 measured ones, the libraries interleaved)."""
     import faulthandler
 
     faulthandler.enable()  # a native crash prints the Python stack of every thread
@@ -228,13 +240,16 @@ def worker(rank, world, configs, steps, port, out_path, compile_too=False):
         comm = {}
         peaks = {}
         loss = {}
-        for step in range(steps + 2):
+        for step in range(2 if memory else steps + 2):
             order = list(libs) if step % 2 == 0 else list(reversed(list(libs)))
             for lib in order:
                 model, opt, dp_index = libs[lib]
                 x, y = _batch(config, step, dp_index)
                 dist.barrier()
-                if step == 1:  # counted and profiled once (not timed)
+                if memory:  # warm-up only
+                    _step(config, model, opt, x, y, lib, dtshard)
+                    continue
+                if step == 1:  # counted once (not timed)
                     if lib == "compiled":  # counted in the graph, not by the dispatch mode
                         _step(config, model, opt, x, y, lib, dtshard)
                         continue
@@ -248,18 +263,18 @@ def worker(rank, world, configs, steps, port, out_path, compile_too=False):
                     times[lib].append(time.perf_counter() - t0)
                     cpus[lib].append(time.process_time() - c0)
         # the peak depends on when asynchronous collectives finish (their buffers are freed then),
-        # so it moves by a few MiB from step to step: the median of 5 profiled steps, interleaved
+        # so it moves a little from step to step: the median of 5 measured steps, interleaved
         samples = {k: [] for k in libs}
-        for rep in range(5):
+        for rep in range(5 if memory else 0):
             for lib in (list(libs) if rep % 2 == 0 else list(reversed(list(libs)))):
                 model, opt, dp_index = libs[lib]
                 x, y = _batch(config, rep, dp_index)
                 dist.barrier()
-                samples[lib].append(_peak_bytes(lambda: _step(config, model, opt, x, y, lib, dtshard)))
-        peaks = {k: statistics.median(v) for k, v in samples.items()}
+                samples[lib].append(_peak_bytes(lambda: _step(config, model, opt, x, y, lib, dtshard), memory))
+        peaks = {k: statistics.median(v) for k, v in samples.items() if v}
         rows.append({"config": config, "world": world,
-                     "wall": {k: statistics.median(v) for k, v in times.items()},
-                     "cpu": {k: statistics.median(v) for k, v in cpus.items()},
+                     "wall": {k: statistics.median(v) for k, v in times.items() if v},
+                     "cpu": {k: statistics.median(v) for k, v in cpus.items() if v},
                      "comm": comm, "peak": peaks, "loss": loss, "compile_s": compile_s})
         del libs
     everyone = [None] * world
@@ -277,7 +292,9 @@ def worker(rank, world, configs, steps, port, out_path, compile_too=False):
     os._exit(0)
 
 
-def _run(world, configs, steps, compile_too=False):
+def _run(world, configs, steps, compile_too=False, memory=None):
+    """Spawn ``world`` ranks for one run; returns the per-rank rows.  A memory run with ``"rss"``
+    starts its processes with ``MALLOC_MMAP_THRESHOLD_`` (see ``dtshard.debug.peak_rss_bytes``)."""
     import json
     import socket
     import tempfile
@@ -286,7 +303,16 @@ def _run(world, configs, steps, compile_too=False):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = os.path.join(tempfile.mkdtemp(), "res.json")
-    mp.spawn(worker, args=(world, configs, steps, port, out, compile_too), nprocs=world, join=True)
+    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    if memory == "rss":
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # dtshard.debug.RSS_MMAP_THRESHOLD
+    try:
+        mp.spawn(worker, args=(world, configs, steps, port, out, compile_too, memory), nprocs=world, join=True)
+    finally:
+        if saved is None:
+            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
     with open(out) as fh:
         return json.load(fh)
 
@@ -296,6 +322,8 @@ def main():
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated: " + ", ".join(CONFIGS))
     ap.add_argument("--steps", type=int, default=10, help="measured steps per library (after 2 warm-up)")
     ap.add_argument("--compile", action="store_true", help="also dtshard's FSDP model compiled (inductor)")
+    ap.add_argument("--memory", default="rss", choices=["rss", "alloc"],
+                    help="peak-memory method: the process's resident high-water mark, or the profiler's allocation events")
     args = ap.parse_args()
     configs = [c for c in args.configs.split(",") if c]
     for c in configs:
@@ -304,7 +332,14 @@ def main():
     print(f"load average at start: {os.getloadavg()[0]:.1f}")
     results = []
     for world in sorted({CONFIGS[c] for c in configs}):
-        results += list(zip(*_run(world, [c for c in configs if CONFIGS[c] == world], args.steps, args.compile)))
+        group = [c for c in configs if CONFIGS[c] == world]
+        timed = _run(world, group, args.steps, args.compile)
+        mem = _run(world, group, args.steps, args.compile, memory=args.memory)
+        for rank_rows, rank_mem in zip(timed, mem):
+            for row, m in zip(rank_rows, rank_mem):
+                row["peak"] = m["peak"]
+        results += list(zip(*timed))
+    print(f"peak memory: {args.memory} ({'resident high-water mark' if args.memory == 'rss' else 'profiler allocation events'})")
     print("| config | ranks | torch ms | dtshard ms | wall dtshard/torch | CPU dtshard/torch | "
           "collectives torch | collectives dtshard | MiB sent torch | MiB sent dtshard | "
           "peak MiB torch | peak MiB dtshard | loss torch | loss dtshard |")

@@ -10,7 +10,9 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
+import os
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterator
@@ -453,3 +455,42 @@ def peak_alloc_bytes(fn) -> int:
         cur += e.nbytes()
         peak = max(peak, cur)
     return peak
+
+
+#: ``MALLOC_MMAP_THRESHOLD_`` value :func:`peak_rss_bytes` needs in the environment of the
+#: process it measures (set before the process starts: glibc reads it once).
+RSS_MMAP_THRESHOLD = "65536"
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field} line")
+
+
+def peak_rss_bytes(fn) -> int:
+    """Peak increase of this process's resident memory while ``fn()`` runs, above the resident
+    memory before it: the kernel's high-water mark (``VmHWM``, reset through
+    ``/proc/self/clear_refs``), so it counts memory freed by any thread, gloo's worker threads
+    included, at the moment it is really freed.
+
+    :func:`peak_alloc_bytes` cannot see those frees: the profiler records an allocator event
+    only on a thread that carries its thread-local state, and a collective's buffers are often
+    released by the gloo thread that ran it (the functional collectives of a compiled graph),
+    which makes that peak too high by whatever such buffers were alive.
+
+    Exact only when every large allocation is its own ``mmap`` returned to the OS when freed:
+    the measured process must run with ``MALLOC_MMAP_THRESHOLD_=65536``
+    (:data:`RSS_MMAP_THRESHOLD`; it makes large allocations slower, so do not time steps in
+    such a process).  Linux only; raises elsewhere or without that setting."""
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") != RSS_MMAP_THRESHOLD:
+        raise RuntimeError("peak_rss_bytes needs the process started with MALLOC_MMAP_THRESHOLD_="
+                           f"{RSS_MMAP_THRESHOLD} (freed tensors are returned to the OS only then)")
+    gc.collect()
+    before = _rss_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    fn()
+    return max(0, _rss_kib("VmHWM") - before) * 1024
