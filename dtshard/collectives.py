@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
+import queue
+import threading
 import weakref
 from typing import Sequence
 
@@ -500,7 +503,57 @@ def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, op: str, mesh: Devic
     work = _pg_reduce_scatter(pg, out, x, op, async_op)
     if consume_input and async_op and x.device.type == "cpu" and _is_gloo(pg):
         x.untyped_storage().resize_(0)
+        # gloo's work object holds its staging copy until the work object is destroyed, not
+        # until the reduction ends: hand it to the waiter thread, which drops it at the end
+        return _Released(work)
     return _finish(work, async_op)
+
+
+class _Released:
+    """The handle of an asynchronous gloo collective whose work object is waited on, and dropped,
+    by a waiter thread, so what the work object holds (gloo's staging copy of a reduce_scatter's
+    input: as large as the input) is freed when the collective ends, not when the caller gets
+    round to ``wait()``.  ``wait()`` blocks until then and raises what the collective raised
+    (its process group's timeout bounds it)."""
+
+    __slots__ = ("_done", "_error")
+
+    def __init__(self, work):
+        self._done = threading.Event()
+        self._error = None
+        _waiter_queue().put((work, self))
+
+    def wait(self) -> bool:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+
+_waiter: list = [None, None]  # [pid, queue] of this process's waiter thread
+
+
+def _waiter_queue() -> "queue.SimpleQueue":
+    if _waiter[0] != os.getpid():  # none yet, or this is a forked child (threads do not survive)
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=_wait_loop, args=(q,), name="dtshard-collective-waiter", daemon=True).start()
+        _waiter[0], _waiter[1] = os.getpid(), q
+    return _waiter[1]
+
+
+def _wait_loop(q: "queue.SimpleQueue") -> None:
+    while True:
+        work, handle = q.get()
+        try:
+            work.wait()  # releases the GIL while it blocks
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's wait()
+            handle._error = e
+        del work  # the staging buffer goes here, with the last reference
+        handle._done.set()
+        del handle
 
 
 def _is_gloo(pg) -> bool:

@@ -48,6 +48,60 @@ class _fsdp_op:
         return False
 
 
+class _Probe(torch.autograd.Function):
+    """Calibration of :func:`_free_if_exclusive`: what a gradient nobody else holds looks like
+    inside a Python ``backward`` of this PyTorch version."""
+
+    seen: list = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        _Probe.seen.append((g._use_count(), torch._C._storage_Use_Count(g.untyped_storage()._cdata)))
+        return None
+
+
+_EXCLUSIVE: list = []  # [(tensor refs, storage refs)] of an exclusive, non-view gradient; [] = unknown
+
+
+def _exclusive_counts() -> Optional[tuple]:
+    if not _EXCLUSIVE:
+        _Probe.seen.clear()
+        x = torch.zeros(2, requires_grad=True)
+        with torch.enable_grad():
+            (_Probe.apply(x) * torch.ones(2)).sum().backward()  # the product's gradient: a fresh tensor
+        _EXCLUSIVE.append(_Probe.seen[0] if len(_Probe.seen) == 1 else None)
+    return _EXCLUSIVE[0]
+
+
+def _free_if_exclusive(g: torch.Tensor) -> None:
+    """Free the storage of a gradient handed to ``_Unshard.backward`` once it has been copied into
+    the reduction buffer, when nothing else can read it: no other reference to the tensor and no
+    other tensor on its storage (a view's base counts only if the view is all that holds it).
+    Autograd keeps a node's incoming gradients alive until its ``backward`` returns, so without
+    this the group's full gradients, its reduction buffer and gloo's staging copy of it are alive
+    together (PyTorch's FSDP2 frees its gradients before the reduce_scatter).  A gradient shared
+    with another node (``y = x + b``: the same tensor flows to both) is left alone."""
+    base_counts = _exclusive_counts()
+    if base_counts is None or g.device.type == "meta":
+        return
+    uses, storage_uses = base_counts  # storage_uses includes the probe's temporary storage object
+    if g._use_count() != uses:
+        return
+    base = g._base
+    if base is None:
+        ok = torch._C._storage_Use_Count(g.untyped_storage()._cdata) == storage_uses
+    else:  # held by the view (1) and by ``base`` here (1); its storage by g, base and the temporary
+        ok = base._base is None and base._use_count() == 2 and \
+            torch._C._storage_Use_Count(g.untyped_storage()._cdata) == storage_uses + 1
+    del base
+    if ok:
+        g.untyped_storage().resize_(0)
+
+
 @dataclass
 class _ParamInfo:
     """Where one parameter lives in the group's buffers (metadata shared by all ranks)."""
@@ -378,12 +432,10 @@ class ParamGroup:
                 buf = self._acc
             else:
                 buf = torch.zeros(self.W * self.S, dtype=self.reduce_dtype, device=self.device)
-            view = buf.view(self.W, self.S)
             for g, info in zip(grads, self.infos):
-                if g is None:
-                    continue
-                for src, dst in self._rank_pieces(g.reshape(-1), view, info):
-                    dst.add_(src)  # casts to the reduce dtype
+                if g is not None:
+                    self._add_in(buf, g, info)  # (no view of g outlives the call)
+                    _free_if_exclusive(g)
             had = getattr(self, "_acc_got", [False] * len(self.infos))
             got = [a or b for a, b in zip(got, had)]
             if not self.requires_gradient_sync:
@@ -400,6 +452,10 @@ class ParamGroup:
                 work = C.reduce_scatter_into(out, buf, "sum", self.mesh, self.shard_dim, async_op=True,
                                              consume_input=True)
         return [work, out, buf, got]
+
+    def _add_in(self, buf: torch.Tensor, g: torch.Tensor, info: _ParamInfo) -> None:
+        for src, dst in self._rank_pieces(g.reshape(-1), buf.view(self.W, self.S), info):
+            dst.add_(src)  # casts to the reduce dtype
 
     def start_replicate_reduce(self, pending: list) -> None:
         """HSDP: once the reduce_scatter is done, start the all_reduce across the replicate dim."""
