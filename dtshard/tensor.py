@@ -561,6 +561,22 @@ def _from_local_in_graph(local, mesh, placements, shape, stride, grad_placements
     return _FromLocal.apply(local, spec, grad_placements)
 
 
+#: functions of other dtshard modules to put in compiled graphs as ONE node each, like
+#: :func:`_from_local_in_graph` (an autograd Function that builds a DTensor from a plain tensor):
+#: add them with :func:`in_graph`
+_IN_GRAPH: list = []
+_dynamo_ready = [False]
+
+
+def in_graph(fn):
+    """Decorator: ``fn`` is one node of a torch.compile graph (``torch.compiler.allow_in_graph``),
+    registered when ``torch._dynamo`` is imported (at once if it already was)."""
+    _IN_GRAPH.append(fn)
+    if _dynamo_ready[0]:
+        torch.compiler.allow_in_graph(fn)
+    return fn
+
+
 def _register_with_dynamo() -> None:
     """What torch.compile needs from dtshard, set up once ``torch._dynamo`` is imported:
 
@@ -575,6 +591,9 @@ def _register_with_dynamo() -> None:
     from dtshard.rules.pointwise import register_compile_prims
 
     torch.compiler.allow_in_graph(_from_local_in_graph)
+    for fn in _IN_GRAPH:
+        torch.compiler.allow_in_graph(fn)
+    _dynamo_ready[0] = True
     # SKIP for the frame AND for every frame it calls: Dynamo's own ``skip_code`` skips only the
     # frame itself, and then compiles each function it calls (propagate, DTensor.__new__, ...) as
     # a frame of its own, with graph breaks whose resume functions see half-built DTensors.

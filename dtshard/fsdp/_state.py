@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.distributed.tensor.placement_types import Replicate
 
 from dtshard.fsdp._group import ParamGroup
+from dtshard.tensor import in_graph
 
 
 class _Unshard(torch.autograd.Function):
@@ -174,11 +175,6 @@ class FSDPState:
     # and reshard_after_forward is recomputation (the all_gather runs again in backward).
     # Prefetch and overlap are the compiler's scheduling of the functional collectives.
     def _traced_pre_forward(self, args, kwargs):
-        if self.group.spmd_layouts:
-            raise NotImplementedError(
-                f"dtshard.fsdp: torch.compile of a fully_shard module with dp_mesh_dims "
-                f"({type(self.module).__name__}) is not supported yet; compile without dp_mesh_dims "
-                "(mesh=mesh['dp'] with tensor-parallel parameters on mesh['tp']) or run it eagerly")
         if not self._bound:  # a module list: the first module to run gathers the group
             reshard = self.has_parent if self.auto_reshard else self.group.reshard_after_forward
             self._bind_fulls(self.group.traced_full_params(recompute=reshard))
@@ -226,7 +222,7 @@ class FSDPState:
     def _bind_fulls(self, fulls) -> None:
         g = self.group
         if g.spmd_layouts:
-            fulls = [_SpmdParam.apply(full, info.spmd) if info.spmd is not None else full
+            fulls = [_spmd_param(full, *info.spmd[:3], tuple(sorted(info.spmd[3]))) if info.spmd is not None else full
                      for full, info in zip(fulls, g.infos)]
         elif g.has_tp:
             fulls = [full if info.tp is None else _tp_param(full, info) for full, info in zip(fulls, g.infos)]
@@ -356,6 +352,13 @@ class _SpmdParam(torch.autograd.Function):
         if target != grad._spec.placements:
             grad = grad.redistribute(mesh, target)
         return grad._local_tensor, None
+
+
+@in_graph
+def _spmd_param(local: torch.Tensor, mesh, placements, shape, dp_dims) -> torch.Tensor:
+    """:class:`_SpmdParam` as ONE node of a compiled graph (traced inline, the DTensor it builds
+    from the mesh proxy fails in Dynamo: see ``dtshard.tensor._from_local_in_graph``)."""
+    return _SpmdParam.apply(local, (mesh, placements, shape, dp_dims))
 
 
 def _tp_param(local: torch.Tensor, info) -> torch.Tensor:

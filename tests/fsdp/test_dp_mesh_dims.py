@@ -10,6 +10,7 @@
 Both libraries train the same model on the same data for 3 AdamW steps: the sharded parameters'
 placements, the losses and the final parameters match PyTorch's; forward and backward issue one
 all_gather and one reduce_scatter per group over the shard dim.  Bad input raises on every rank.
+Compiled (``fullgraph=True``) it trains like eager, with the same collectives in its graphs.
 """
 
 from __future__ import annotations
@@ -138,28 +139,69 @@ def test_dp_mesh_dims_bad_inputs_raise_on_every_rank():
         assert e["after"] == [0.0, 1.0, 2.0, 3.0]
 
 
-def _compiled_raises():
+def _compiled_matches_eager(kind: str, steps: int = 2):
+    """The same dp_mesh_dims model trained eagerly and compiled (``fullgraph=True``, AOTAutograd
+    with the min-cut partitioner, the graphs recorded): losses, gradient placements and final
+    parameters, and the collectives in the graphs."""
     import torch._dynamo
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch.distributed.fsdp import DataParallelMeshDims
 
     import dtshard
     from dtshard.fsdp import fully_shard
 
     torch._dynamo.reset()
-    mesh = dtshard.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 4))
-    _place("dtshard", mesh, model, _TP)
-    fully_shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
-    x = dtshard.DTensor.from_local(torch.randn(4, 8), mesh, [dtshard.Shard(0), dtshard.Replicate()])
-    try:
-        torch.compile(model, backend="aot_eager", fullgraph=True)(x)
-        return None
-    except Exception as e:  # noqa: BLE001 - dynamo wraps the NotImplementedError
-        return str(e)
+    graphs: list = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm.code)
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=record, bw_compiler=record, partition_fn=min_cut_rematerialization_partition)
+    names = ("dp", "tp") if kind == "fsdp_tp" else ("rep", "shard")
+    dims = DataParallelMeshDims(shard="dp") if kind == "fsdp_tp" else DataParallelMeshDims(shard="shard", replicate="rep")
+    mesh = dtshard.init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
+    coord = mesh.get_coordinate()
+    dp_index = coord[0] if kind == "fsdp_tp" else coord[0] * 2 + coord[1]
+    batch_pl = [dtshard.Shard(0), dtshard.Replicate()] if kind == "fsdp_tp" else [dtshard.Shard(0), dtshard.Shard(0)]
+    out = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 4))
+        _place("dtshard", mesh, model, _TP if kind == "fsdp_tp" else None)
+        fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
+        run = torch.compile(model, backend=backend, fullgraph=True) if compiled else model
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses, grad_layouts = [], []
+        for step in range(steps):
+            g = torch.Generator().manual_seed(100 + step)
+            x = torch.randn(16, 8, generator=g)[4 * dp_index:4 * dp_index + 4]
+            loss = (run(dtshard.DTensor.from_local(x, mesh, batch_pl)).full_tensor() ** 2).mean()
+            loss.backward()
+            grad_layouts.append([(type(p.grad).__name__, p.grad.placements == p.placements) for p in model.parameters()])
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        out[compiled] = (losses, grad_layouts, [p.full_tensor() for p in model.parameters()])
+    counts = [tuple(code.count(f"torch.ops._c10d_functional.{op}.default(")
+                    for op in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")) for code in graphs]
+    return out, counts
 
 
-def test_dp_mesh_dims_under_compile_raises_clearly():
-    """Not supported under torch.compile yet: a clear message on every rank, not a wrong graph."""
-    for msg in run_distributed(_compiled_raises, 4, timeout=300):
-        assert msg is not None and "dp_mesh_dims" in msg and "not supported yet" in msg, msg
+@pytest.mark.parametrize("kind", ["fsdp_tp", "hsdp"])
+def test_dp_mesh_dims_compiled_matches_eager(kind):
+    """``torch.compile(model, fullgraph=True)`` of a dp_mesh_dims model: one graph each way (no
+    recompile), ONE all_gather (forward) and ONE reduce_scatter (backward) over the shard dim for
+    the group (HSDP: plus one all_reduce over the replicate dim), values equal to eager."""
+    for out, counts in run_distributed(_compiled_matches_eager, 4, kind, timeout=300):
+        (le, ge, pe), (lc, gc, pc) = out[False], out[True]
+        torch.testing.assert_close(lc, le, rtol=1e-5, atol=1e-6)
+        assert gc == ge and all(ok for step in gc for _, ok in step), gc
+        for a, b in zip(pc, pe):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert len(counts) == 2, counts  # one forward graph, one backward graph
+        fwd, bwd = counts
+        assert fwd[0] == 1 and fwd[1] == 0, counts
+        assert bwd[1] == 1 and bwd[2] == (1 if kind == "hsdp" else 0), counts
