@@ -166,9 +166,15 @@ def _spmd_meshes(where: str, mesh, dims):
     if not shard:
         raise NotImplementedError(f"{where}: dp_mesh_dims without a shard dim (DDP: replicate only) is not "
                                   "supported yet; use shard=")
-    if len(shard) > 1 or len(rep) > 1:
-        raise NotImplementedError(f"{where}: dp_mesh_dims with several shard or replicate dims {shard} {rep} "
-                                  "(flattened) is not supported yet; name one dim each")
+    flattened = len(shard) > 1
+    if len(rep) > 1 or (flattened and (rep or len(shard) != mesh.ndim)):
+        raise NotImplementedError(
+            f"{where}: dp_mesh_dims with several replicate dims {rep}, or several (flattened) shard dims {shard} "
+            f"together with other mesh dims ({names}), is not supported yet: flattened shard dims must be all "
+            "the mesh's dims (FSDP over the whole mesh), otherwise name one dim each")
+    if flattened and tuple(shard) != tuple(names):
+        raise NotImplementedError(f"{where}: dp_mesh_dims: flattened shard dims {shard} must be named in the mesh's "
+                                  f"order {names}")
     if mesh._get_root_mesh() is not mesh:
         raise NotImplementedError(f"{where}: dp_mesh_dims needs the full mesh (a root mesh), got a sub-mesh "
                                   f"{tuple(mesh.shape)} {names}")
@@ -180,7 +186,10 @@ def _spmd_meshes(where: str, mesh, dims):
     if len(others) > 1:
         raise NotImplementedError(f"{where}: dp_mesh_dims on a mesh {names} with more than one non-data-parallel "
                                   "dim is not supported yet")
-    dp_mesh = mesh[rep + shard] if rep else mesh[shard[0]]
+    if flattened:  # FSDP over the flattened group of every mesh dim (PyTorch flattens them the same way)
+        dp_mesh = mesh._flatten("_".join(shard))
+    else:
+        dp_mesh = mesh[rep + shard] if rep else mesh[shard[0]]
     return dp_mesh, (mesh, frozenset(dp), others[0] if others else None)
 
 

@@ -196,7 +196,9 @@ class ParamGroup:
                 # data-parallel replicas only
                 self.dp_size = self.mesh.size() // p._spec.mesh.size()
             spmd = self.spmd_layouts.get(fqn)
-            if spmd is not None and tp is None:  # no other mesh dim: FSDP's layout on the full mesh
+            if spmd is not None and tp is None and self.mesh.mesh_dim_names[-1] in spmd[0].mesh_dim_names:
+                # no other mesh dim: FSDP's layout on the full mesh (flattened shard dims keep the
+                # flattened mesh's Shard(0), as PyTorch's FSDP2 does)
                 spec = DTensorSpec(spmd[0], self._spmd_placements(spmd), shape, contiguous_strides(shape), p.dtype)
             self.infos.append(_ParamInfo(fqn, owners, shape, row_numel, c * row_numel, shard_off, local_rows,
                                          full_off, numel, p.requires_grad, tp, spec, inside, spmd))

@@ -5,7 +5,8 @@
   ``Replicate`` on dp and column / row / replicated on tp; each dp rank feeds its own batch as a
   ``Shard(0)`` DTensor, so the weight gradients arrive ``Partial`` on dp and FSDP's reduce_scatter
   reduces them (no extra all_reduce);
-- HSDP on a 2x2 ``("rep", "shard")`` mesh with all-``Replicate`` parameters.
+- HSDP on a 2x2 ``("rep", "shard")`` mesh with all-``Replicate`` parameters;
+- FSDP over the flattened group of a 2x2 ``("dp", "cp")`` mesh (``shard=("dp", "cp")``).
 
 Both libraries train the same model on the same data for 3 AdamW steps: the sharded parameters'
 placements, the losses and the final parameters match PyTorch's; forward and backward issue one
@@ -48,8 +49,9 @@ def _run(kind: str, steps: int = 3):
     from dtshard.debug import CommCounter
     from dtshard.fsdp import fully_shard
 
-    names = ("dp", "tp") if kind == "fsdp_tp" else ("rep", "shard")
-    dims = DataParallelMeshDims(shard="dp") if kind == "fsdp_tp" else DataParallelMeshDims(shard="shard", replicate="rep")
+    names = {"fsdp_tp": ("dp", "tp"), "hsdp": ("rep", "shard"), "flat": ("dp", "cp")}[kind]
+    dims = {"fsdp_tp": DataParallelMeshDims(shard="dp"), "hsdp": DataParallelMeshDims(shard="shard", replicate="rep"),
+            "flat": DataParallelMeshDims(shard=("dp", "cp"))}[kind]
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 4))
     out = {}
@@ -83,7 +85,7 @@ def _run(kind: str, steps: int = 3):
     return out
 
 
-@pytest.mark.parametrize("kind", ["fsdp_tp", "hsdp"])
+@pytest.mark.parametrize("kind", ["fsdp_tp", "hsdp", "flat"])
 def test_dp_mesh_dims_matches_pytorch(kind):
     # fresh workers: PyTorch's dispatch caches (its specs compare meshes by layout) can hand a
     # new DTensor an equal mesh OBJECT that an earlier test in the same process made, and its
@@ -112,6 +114,7 @@ def _bad_inputs():
         "plain": (nn.Linear(4, 4), DataParallelMeshDims(shard="dp")),
         "ddp": (nn.Linear(4, 4), DataParallelMeshDims(replicate="dp")),
         "unknown": (nn.Linear(4, 4), DataParallelMeshDims(shard="x")),
+        "flat_order": (nn.Linear(4, 4), DataParallelMeshDims(shard=("tp", "dp"))),
     }
     sharded_dp = nn.Linear(4, 4)
     sharded_dp.weight = nn.Parameter(dtshard.distribute_tensor(sharded_dp.weight.detach(), mesh,
@@ -135,6 +138,7 @@ def test_dp_mesh_dims_bad_inputs_raise_on_every_rank():
         assert e["plain"][0] == "ValueError" and "must be a dtshard DTensor" in e["plain"][1]
         assert e["ddp"][0] == "NotImplementedError" and "DDP" in e["ddp"][1]
         assert e["unknown"][0] == "ValueError" and "'x'" in e["unknown"][1]
+        assert e["flat_order"][0] == "NotImplementedError" and "mesh's order" in e["flat_order"][1]
         assert e["sharded_on_dp"][0] == "ValueError" and "Replicate() on the data-parallel dims" in e["sharded_on_dp"][1]
         assert e["after"] == [0.0, 1.0, 2.0, 3.0]
 
@@ -160,8 +164,9 @@ def _compiled_matches_eager(kind: str, steps: int = 2):
         return make_boxed_func(gm.forward)
 
     backend = aot_autograd(fw_compiler=record, bw_compiler=record, partition_fn=min_cut_rematerialization_partition)
-    names = ("dp", "tp") if kind == "fsdp_tp" else ("rep", "shard")
-    dims = DataParallelMeshDims(shard="dp") if kind == "fsdp_tp" else DataParallelMeshDims(shard="shard", replicate="rep")
+    names = {"fsdp_tp": ("dp", "tp"), "hsdp": ("rep", "shard"), "flat": ("dp", "cp")}[kind]
+    dims = {"fsdp_tp": DataParallelMeshDims(shard="dp"), "hsdp": DataParallelMeshDims(shard="shard", replicate="rep"),
+            "flat": DataParallelMeshDims(shard=("dp", "cp"))}[kind]
     mesh = dtshard.init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
     coord = mesh.get_coordinate()
     dp_index = coord[0] if kind == "fsdp_tp" else coord[0] * 2 + coord[1]
@@ -190,7 +195,7 @@ def _compiled_matches_eager(kind: str, steps: int = 2):
     return out, counts
 
 
-@pytest.mark.parametrize("kind", ["fsdp_tp", "hsdp"])
+@pytest.mark.parametrize("kind", ["fsdp_tp", "hsdp", "flat"])
 def test_dp_mesh_dims_compiled_matches_eager(kind):
     """``torch.compile(model, fullgraph=True)`` of a dp_mesh_dims model: one graph each way (no
     recompile), ONE all_gather (forward) and ONE reduce_scatter (backward) over the shard dim for
