@@ -163,9 +163,9 @@ def _spmd_meshes(where: str, mesh, dims):
     for n in shard + rep:
         if n not in names:
             raise ValueError(f"{where}: mesh dim name {n!r} of dp_mesh_dims is not in the mesh's {names}")
-    if not shard:
-        raise NotImplementedError(f"{where}: dp_mesh_dims without a shard dim (DDP: replicate only) is not "
-                                  "supported yet; use shard=")
+    if not shard and len(rep) > 1:
+        raise NotImplementedError(f"{where}: dp_mesh_dims without a shard dim (DDP) over several (flattened) "
+                                  f"replicate dims {rep} is not supported yet; name one")
     flattened = len(shard) > 1
     if len(rep) > 1 or (flattened and (rep or len(shard) != mesh.ndim)):
         raise NotImplementedError(
@@ -179,7 +179,7 @@ def _spmd_meshes(where: str, mesh, dims):
         raise NotImplementedError(f"{where}: dp_mesh_dims needs the full mesh (a root mesh), got a sub-mesh "
                                   f"{tuple(mesh.shape)} {names}")
     dp = [names.index(n) for n in rep + shard]
-    if rep and dp[0] > dp[1]:
+    if rep and shard and dp[0] > dp[1]:
         raise NotImplementedError(f"{where}: dp_mesh_dims: the replicate dim {rep[0]!r} must come before the shard "
                                   f"dim {shard[0]!r} in the mesh {names}")
     others = [i for i in range(mesh.ndim) if i not in dp]
@@ -188,6 +188,8 @@ def _spmd_meshes(where: str, mesh, dims):
                                   "dim is not supported yet")
     if flattened:  # FSDP over the flattened group of every mesh dim (PyTorch flattens them the same way)
         dp_mesh = mesh._flatten("_".join(shard))
+    elif not shard:  # DDP: the parameters stay replicated; each group's gradients are all-reduced
+        dp_mesh = mesh[rep[0]]
     else:
         dp_mesh = mesh[rep + shard] if rep else mesh[shard[0]]
     return dp_mesh, (mesh, frozenset(dp), others[0] if others else None)
@@ -336,8 +338,13 @@ def fully_shard(
         raise ValueError(f"{where}: offload_policy must be a torch.distributed.fsdp.OffloadPolicy")
     mesh = mesh if mesh is not None else _default_mesh()
     spmd = None  # dp_mesh_dims: (the full SPMD mesh, its DP dim indices, its other dim or None)
+    ddp = False  # dp_mesh_dims with replicate dims only: no sharding, one all_reduce per group
     if dp_mesh_dims is not None:
         mesh, spmd = _spmd_meshes(where, mesh, dp_mesh_dims)
+        ddp = not _names(getattr(dp_mesh_dims, "shard", None))
+        if ddp and isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"{where}: reshard_after_forward={reshard_after_forward} (int) with dp_mesh_dims "
+                             "without a shard dim (DDP): nothing is sharded; use a bool")
     if mesh.ndim not in (1, 2):
         raise ValueError(f"{where}: mesh {tuple(mesh.shape)} must be 1-D (FSDP) or 2-D (replicate, shard) (HSDP)")
     post_k = None  # reshard_after_forward=k: reshard to groups of k ranks after forward
@@ -441,7 +448,7 @@ def fully_shard(
                 if b is not None and b.device != device:
                     buf_owner._buffers[k] = b.to(device)
     group = ParamGroup(modules[0], params, mesh, device, mp_policy, offload_policy,
-                       reshard_after_forward if reshard_after_forward is not None else True, spmd_layouts)
+                       reshard_after_forward if reshard_after_forward is not None else True, spmd_layouts, ddp=ddp)
     if post_k is not None:
         group.post_forward_mesh = C.regrouped_mesh(mesh, post_k)
     state = FSDPState(modules, group, mp_policy, auto_reshard=reshard_after_forward is None)

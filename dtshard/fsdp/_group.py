@@ -133,17 +133,22 @@ class ParamGroup:
     """The parameters of one ``fully_shard`` call.  States: sharded -> (gathering) -> unsharded."""
 
     def __init__(self, module: nn.Module, params: list, mesh, device: torch.device, mp_policy,
-                 offload_policy, reshard_after_forward: bool, spmd_layouts: Optional[dict] = None):
+                 offload_policy, reshard_after_forward: bool, spmd_layouts: Optional[dict] = None,
+                 ddp: bool = False):
         self.spmd_layouts = spmd_layouts or {}
+        #: dp_mesh_dims with replicate dims only (PyTorch's DDP mode of fully_shard): ``mesh`` is the
+        #: replicate dim, nothing is sharded (W = 1: the "flat shard" is the whole group, "gathering"
+        #: is a copy), and the gradients are all-reduced over ``mesh``: ONE all_reduce per group
+        self.ddp = ddp
         self.module = module
         self.mesh = mesh
         self.device = device
         self.hsdp = mesh.ndim == 2
         self.shard_dim = mesh.ndim - 1  # HSDP: (replicate, shard)
-        self.W = mesh.size(self.shard_dim)
+        self.W = 1 if ddp else mesh.size(self.shard_dim)
         self.dp_size = mesh.size()  # gradients are averaged over every data-parallel rank
-        self.rank = C.mesh_dim_rank(mesh, self.shard_dim)
-        self.placements = (Replicate(), Shard(0)) if self.hsdp else (Shard(0),)
+        self.rank = 0 if ddp else C.mesh_dim_rank(mesh, self.shard_dim)
+        self.placements = (Replicate(),) if ddp else (Replicate(), Shard(0)) if self.hsdp else (Shard(0),)
         self.mp = mp_policy
         from torch.distributed.fsdp import CPUOffloadPolicy
 
@@ -188,7 +193,7 @@ class ParamGroup:
                 tp = (p._spec.mesh, p._spec.placements, tuple(p.shape))
                 inside = _tp_mesh_inside(p._spec.mesh, self.mesh)
             if isinstance(p, DTensor) and not inside:
-                spec = _fsdp_tp_spec(self.mesh, p._spec)
+                spec = _fsdp_tp_spec(self.mesh, p._spec, ddp=self.ddp)
             else:  # replicated over the FSDP mesh's inner ranks: FSDP's own layout of the whole tensor
                 spec = DTensorSpec(self.mesh, self.placements, shape, contiguous_strides(shape), p.dtype)
             if inside:
@@ -230,7 +235,7 @@ class ParamGroup:
         parameter (``Shard(0)`` on the shard dim, ``Replicate`` on the replicate dim)."""
         full = spmd[0]
         dp_names = self.mesh.mesh_dim_names
-        return tuple(Shard(0) if n == dp_names[-1] else Replicate() for n in full.mesh_dim_names)
+        return tuple(Shard(0) if n == dp_names[-1] and not self.ddp else Replicate() for n in full.mesh_dim_names)
 
     @staticmethod
     def _shard_view(flat: torch.Tensor, info: _ParamInfo) -> torch.Tensor:
@@ -281,6 +286,11 @@ class ParamGroup:
                 inp, self._post = self._post, None
                 with _fsdp_op():
                     work = C.all_gather_into(out, inp, self.post_forward_mesh, 1, async_op=True)
+            elif self.ddp:  # nothing sharded: the group's "gathered" layout is its flat shard
+                self._post = None
+                inp = self._gather_input()
+                out.copy_(inp)
+                work = None
             else:
                 self._post = None  # a forward gathers from the shards (the optimizer moved them)
                 inp = self._gather_input()
@@ -297,7 +307,8 @@ class ParamGroup:
             return
         work, out, inp = self._gather_work
         self._gather_work = None
-        work.wait()
+        if work is not None:
+            work.wait()
         if inp is not self.flat_shard:
             self._free(inp)  # a copy-in buffer
         self._alloc_full()
@@ -447,6 +458,10 @@ class ParamGroup:
             self._acc_got = [False] * len(self.infos)
             if self.reduce_dtype in (torch.float16, torch.bfloat16):
                 buf.div_(self.dp_size)  # low precision: divide first so the sum cannot overflow
+            if self.ddp:  # ONE all_reduce of the group's gradients, in place (finish_reduce waits)
+                with _fsdp_op():
+                    work = C.all_reduce_(buf, "sum", self.mesh, 0, async_op=True)
+                return [work, buf, None, got]
             out = torch.empty(self.S, dtype=self.reduce_dtype, device=self.device)
             with _fsdp_op():
                 # the buffer is not read after the call (gloo stages it): released right away,
@@ -510,7 +525,7 @@ class _ScaleGrad(torch.autograd.Function):
         return g * ctx.scale, None
 
 
-def _fsdp_tp_spec(dp_mesh, tp_spec: DTensorSpec) -> DTensorSpec:
+def _fsdp_tp_spec(dp_mesh, tp_spec: DTensorSpec, ddp: bool = False) -> DTensorSpec:
     """The sharded spec of a tensor-parallel parameter that FSDP shards again on ``dp_mesh``: a
     DTensor on the mesh of the dp and tp mesh dims (in the root mesh's order), whose shards are
     dim-0 chunks of each rank's TP shard.  ``dp_mesh`` is 1-D (FSDP x TP) or 2-D
@@ -518,7 +533,8 @@ def _fsdp_tp_spec(dp_mesh, tp_spec: DTensorSpec) -> DTensorSpec:
     that is ``Shard(0)``, unless a mesh dim AFTER it in the root's order also shards dim 0 (TP's
     ``Shard(0)``): then TP cuts first and FSDP cuts each TP shard, which is
     ``_StridedShard(0, split_factor=tp)`` (PyTorch's FSDP2 x TP layout; ``fully_shard`` checked
-    the meshes, see ``_api._check_tp_param``)."""
+    the meshes, see ``_api._check_tp_param``).  ``ddp`` (dp_mesh_dims without a shard dim):
+    nothing is sharded, ``Replicate`` on the data-parallel dim."""
     from torch.distributed.tensor.placement_types import _StridedShard
 
     tp_mesh = tp_spec.mesh
@@ -533,7 +549,7 @@ def _fsdp_tp_spec(dp_mesh, tp_spec: DTensorSpec) -> DTensorSpec:
     for n in names:
         if n == tp_name:
             placements.append(tp_pl)
-        elif n != shard_name:
+        elif n != shard_name or ddp:
             placements.append(Replicate())
         else:
             tp_after = names.index(tp_name) > names.index(shard_name)

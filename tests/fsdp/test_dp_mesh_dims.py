@@ -6,7 +6,8 @@
   ``Shard(0)`` DTensor, so the weight gradients arrive ``Partial`` on dp and FSDP's reduce_scatter
   reduces them (no extra all_reduce);
 - HSDP on a 2x2 ``("rep", "shard")`` mesh with all-``Replicate`` parameters;
-- FSDP over the flattened group of a 2x2 ``("dp", "cp")`` mesh (``shard=("dp", "cp")``).
+- FSDP over the flattened group of a 2x2 ``("dp", "cp")`` mesh (``shard=("dp", "cp")``);
+- DDP x TP (``replicate="dp"`` only): nothing sharded, ONE all_reduce per group.
 
 Both libraries train the same model on the same data for 3 AdamW steps: the sharded parameters'
 placements, the losses and the final parameters match PyTorch's; forward and backward issue one
@@ -49,25 +50,25 @@ def _run(kind: str, steps: int = 3):
     from dtshard.debug import CommCounter
     from dtshard.fsdp import fully_shard
 
-    names = {"fsdp_tp": ("dp", "tp"), "hsdp": ("rep", "shard"), "flat": ("dp", "cp")}[kind]
+    names = {"fsdp_tp": ("dp", "tp"), "hsdp": ("rep", "shard"), "flat": ("dp", "cp"), "ddp_tp": ("dp", "tp")}[kind]
     dims = {"fsdp_tp": DataParallelMeshDims(shard="dp"), "hsdp": DataParallelMeshDims(shard="shard", replicate="rep"),
-            "flat": DataParallelMeshDims(shard=("dp", "cp"))}[kind]
+            "flat": DataParallelMeshDims(shard=("dp", "cp")), "ddp_tp": DataParallelMeshDims(replicate="dp")}[kind]
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 4))
     out = {}
     for lib in ("torch", "dtshard"):
         mesh = (torch_mesh if lib == "torch" else dtshard.init_device_mesh)("cpu", (2, 2), mesh_dim_names=names)
         model = copy.deepcopy(base)
-        _place(lib, mesh, model, _TP if kind == "fsdp_tp" else None)
+        _place(lib, mesh, model, _TP if kind in ("fsdp_tp", "ddp_tp") else None)
         (torch_fully_shard if lib == "torch" else fully_shard)(model, mesh=mesh, dp_mesh_dims=dims)
         layout = {n: str(p.placements) for n, p in model.named_parameters()}
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         coord = mesh.get_coordinate()
-        dp_index = coord[0] if kind == "fsdp_tp" else coord[0] * 2 + coord[1]
+        dp_index = coord[0] if kind in ("fsdp_tp", "ddp_tp") else coord[0] * 2 + coord[1]
         Shard, Replicate = (torch.distributed.tensor.Shard, torch.distributed.tensor.Replicate) if lib == "torch" \
             else (dtshard.Shard, dtshard.Replicate)
         from_local = TorchDTensor.from_local if lib == "torch" else dtshard.DTensor.from_local
-        batch_pl = [Shard(0), Replicate()] if kind == "fsdp_tp" else [Shard(0), Shard(0)]
+        batch_pl = [Shard(0), Replicate()] if kind in ("fsdp_tp", "ddp_tp") else [Shard(0), Shard(0)]
         losses, counts = [], []
         for step in range(steps):
             g = torch.Generator().manual_seed(100 + step)
@@ -85,7 +86,7 @@ def _run(kind: str, steps: int = 3):
     return out
 
 
-@pytest.mark.parametrize("kind", ["fsdp_tp", "hsdp", "flat"])
+@pytest.mark.parametrize("kind", ["fsdp_tp", "hsdp", "flat", "ddp_tp"])
 def test_dp_mesh_dims_matches_pytorch(kind):
     # fresh workers: PyTorch's dispatch caches (its specs compare meshes by layout) can hand a
     # new DTensor an equal mesh OBJECT that an earlier test in the same process made, and its
@@ -97,8 +98,8 @@ def test_dp_mesh_dims_matches_pytorch(kind):
         torch.testing.assert_close(d["losses"], t["losses"], rtol=1e-5, atol=1e-6)
         for a, b in zip(d["params"], t["params"]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-        want = [("all_gather", "<fsdp>"), ("reduce_scatter", "<fsdp>")] + \
-            ([("all_reduce", "<fsdp>")] if kind == "hsdp" else [])
+        want = [("all_reduce", "<fsdp>")] if kind == "ddp_tp" else \
+            [("all_gather", "<fsdp>"), ("reduce_scatter", "<fsdp>")] + ([("all_reduce", "<fsdp>")] if kind == "hsdp" else [])
         assert all(c == sorted(want) for c in d["counts"]), d["counts"]
 
 
@@ -112,7 +113,7 @@ def _bad_inputs():
     errors = {}
     cases = {
         "plain": (nn.Linear(4, 4), DataParallelMeshDims(shard="dp")),
-        "ddp": (nn.Linear(4, 4), DataParallelMeshDims(replicate="dp")),
+        "ddp_flat": (nn.Linear(4, 4), DataParallelMeshDims(replicate=("dp", "tp"))),
         "unknown": (nn.Linear(4, 4), DataParallelMeshDims(shard="x")),
         "flat_order": (nn.Linear(4, 4), DataParallelMeshDims(shard=("tp", "dp"))),
     }
@@ -136,7 +137,7 @@ def _bad_inputs():
 def test_dp_mesh_dims_bad_inputs_raise_on_every_rank():
     for e in run_distributed(_bad_inputs, 4, timeout=120):
         assert e["plain"][0] == "ValueError" and "must be a dtshard DTensor" in e["plain"][1]
-        assert e["ddp"][0] == "NotImplementedError" and "DDP" in e["ddp"][1]
+        assert e["ddp_flat"][0] == "NotImplementedError" and "DDP" in e["ddp_flat"][1]
         assert e["unknown"][0] == "ValueError" and "'x'" in e["unknown"][1]
         assert e["flat_order"][0] == "NotImplementedError" and "mesh's order" in e["flat_order"][1]
         assert e["sharded_on_dp"][0] == "ValueError" and "Replicate() on the data-parallel dims" in e["sharded_on_dp"][1]
@@ -164,18 +165,19 @@ def _compiled_matches_eager(kind: str, steps: int = 2):
         return make_boxed_func(gm.forward)
 
     backend = aot_autograd(fw_compiler=record, bw_compiler=record, partition_fn=min_cut_rematerialization_partition)
-    names = {"fsdp_tp": ("dp", "tp"), "hsdp": ("rep", "shard"), "flat": ("dp", "cp")}[kind]
+    names = {"fsdp_tp": ("dp", "tp"), "hsdp": ("rep", "shard"), "flat": ("dp", "cp"), "ddp_tp": ("dp", "tp")}[kind]
     dims = {"fsdp_tp": DataParallelMeshDims(shard="dp"), "hsdp": DataParallelMeshDims(shard="shard", replicate="rep"),
-            "flat": DataParallelMeshDims(shard=("dp", "cp"))}[kind]
+            "flat": DataParallelMeshDims(shard=("dp", "cp")), "ddp_tp": DataParallelMeshDims(replicate="dp")}[kind]
     mesh = dtshard.init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
     coord = mesh.get_coordinate()
-    dp_index = coord[0] if kind == "fsdp_tp" else coord[0] * 2 + coord[1]
-    batch_pl = [dtshard.Shard(0), dtshard.Replicate()] if kind == "fsdp_tp" else [dtshard.Shard(0), dtshard.Shard(0)]
+    dp_index = coord[0] if kind in ("fsdp_tp", "ddp_tp") else coord[0] * 2 + coord[1]
+    batch_pl = [dtshard.Shard(0), dtshard.Replicate()] if kind in ("fsdp_tp", "ddp_tp") else \
+        [dtshard.Shard(0), dtshard.Shard(0)]
     out = {}
     for compiled in (False, True):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 4))
-        _place("dtshard", mesh, model, _TP if kind == "fsdp_tp" else None)
+        _place("dtshard", mesh, model, _TP if kind in ("fsdp_tp", "ddp_tp") else None)
         fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
         run = torch.compile(model, backend=backend, fullgraph=True) if compiled else model
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -195,7 +197,7 @@ def _compiled_matches_eager(kind: str, steps: int = 2):
     return out, counts
 
 
-@pytest.mark.parametrize("kind", ["fsdp_tp", "hsdp", "flat"])
+@pytest.mark.parametrize("kind", ["fsdp_tp", "hsdp", "flat", "ddp_tp"])
 def test_dp_mesh_dims_compiled_matches_eager(kind):
     """``torch.compile(model, fullgraph=True)`` of a dp_mesh_dims model: one graph each way (no
     recompile), ONE all_gather (forward) and ONE reduce_scatter (backward) over the shard dim for
@@ -208,5 +210,8 @@ def test_dp_mesh_dims_compiled_matches_eager(kind):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
         assert len(counts) == 2, counts  # one forward graph, one backward graph
         fwd, bwd = counts
-        assert fwd[0] == 1 and fwd[1] == 0, counts
-        assert bwd[1] == 1 and bwd[2] == (1 if kind == "hsdp" else 0), counts
+        if kind == "ddp_tp":  # nothing to gather; the group's gradients: ONE all_reduce
+            assert fwd[:2] == (0, 0) and bwd == (0, 0, 1), counts
+        else:
+            assert fwd[0] == 1 and fwd[1] == 0, counts
+            assert bwd[1] == 1 and bwd[2] == (1 if kind == "hsdp" else 0), counts
