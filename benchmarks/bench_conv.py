@@ -90,7 +90,10 @@ class _Variant:
     """One implementation + input placement: builds its DTensors once, runs steps."""
 
     def __init__(self, impl: str, place: str, x, w, b, g, padding: int):
-        # dtshard: config.halo_overlap off; dtshard+bwd: backward only; dtshard+overlap: both
+        # dtshard: config.halo_overlap off; dtshard+bwd: backward only; dtshard+overlap: both;
+        # a "+compiled" suffix: the conv (forward + AOT backward) under torch.compile(fullgraph)
+        self.compiled = impl.endswith("+compiled")
+        impl = impl[: -len("+compiled")] if self.compiled else impl
         self.overlap = {"dtshard": (False, False), "dtshard+bwd": (True, False), "dtshard+overlap": (True, True)}.get(impl)
         impl = "dtshard" if self.overlap is not None else impl
         self.impl, self.place, self.padding = impl, place, padding
@@ -114,6 +117,10 @@ class _Variant:
         with torch.no_grad():
             y = F.conv2d(self.x, self.w, self.b, padding=padding)
         self.placements = tuple(y.placements)
+        self.fn = F.conv2d
+        if self.compiled:  # compiled at the first step, under this variant's overlap settings
+            self.fn = torch.compile(lambda x, w, b, padding: F.conv2d(x, w, b, padding=padding),
+                                    fullgraph=True, dynamic=False)
         self.g = dist_fn(g, self.mesh, list(self.placements))
 
     def step(self, keep: bool = False):
@@ -122,7 +129,7 @@ class _Variant:
             from dtshard.propagate import config
 
             config.halo_overlap, config.halo_overlap_forward = self.overlap
-        y = F.conv2d(self.x, self.w, self.b, padding=self.padding)
+        y = self.fn(self.x, self.w, self.b, padding=self.padding)
         y.backward(self.g)
         if not keep:  # timing: drop the step's tensors (memory of the --big run)
             self.x.grad = self.w.grad = self.b.grad = None
@@ -274,7 +281,7 @@ def report(data: dict) -> str:
     lines.append(f"unsharded (whole image, every rank): cpu {base_cpu * 1e3:.1f} ms, wall {base_wall * 1e3:.1f} ms;"
                  f" ideal per rank = /{WORLD}: cpu {base_cpu / WORLD * 1e3:.1f} ms")
     lines.append("")
-    hdr = (f"{'variant':<14} {'out':<14} {'cpu r0 ms':>10} {'cpu r1 ms':>10} {'x ideal cpu':>11} "
+    hdr = (f"{'variant':<26} {'out':<14} {'cpu r0 ms':>10} {'cpu r1 ms':>10} {'x ideal cpu':>11} "
            f"{'wall ms':>9} {'x ideal wall':>12} {'sent/rank fwd+bwd':>18}  result")
     lines.append(hdr)
     lines.append("-" * len(hdr))
@@ -283,7 +290,7 @@ def report(data: dict) -> str:
         res = [r["results"][name] for r in ranks]
         if any("error" in x for x in res):
             err = next(x["error"] for x in res if "error" in x)
-            lines.append(f"{name:<14} {'':<14} {'ERR':>10} {'':>10} {'':>11} {'':>9} {'':>12} {'':>18}  ERR {err}")
+            lines.append(f"{name:<26} {'':<14} {'ERR':>10} {'':>10} {'':>11} {'':>9} {'':>12} {'':>18}  ERR {err}")
             continue
         t = [r["times"].get(name) for r in ranks]
         cpu = [x["cpu"] for x in t]
@@ -294,7 +301,7 @@ def report(data: dict) -> str:
         sent = _fmt_bytes(max(x["comm"]["total"] for x in res)) if comm is not None else "n/a"
         why = next((x["why"] for x in res if "why" in x), "")
         verdict = f"ok (max rel err {worst:.1e})" if ok else f"WRONG (max rel err {worst:.2g}) {why}"
-        lines.append(f"{name:<14} {res[0]['out_placements']:<14} {cpu[0] * 1e3:>10.1f} {cpu[1] * 1e3:>10.1f} "
+        lines.append(f"{name:<26} {res[0]['out_placements']:<14} {cpu[0] * 1e3:>10.1f} {cpu[1] * 1e3:>10.1f} "
                      f"{max(cpu) / (base_cpu / WORLD):>11.2f} {wall * 1e3:>9.1f} {wall / (base_wall / WORLD):>12.2f} "
                      f"{sent:>18}  {verdict}")
     lines.append("")
@@ -320,7 +327,8 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     p.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"impl:S<dim>,... (default {DEFAULT_VARIANTS}); "
-                   "dtshard: config.halo_overlap off, dtshard+bwd: backward only, dtshard+overlap: forward and backward")
+                   "dtshard: config.halo_overlap off, dtshard+bwd: backward only, dtshard+overlap: forward and backward; "
+                   "append +compiled for the conv under torch.compile (inductor, fullgraph), e.g. dtshard+bwd+compiled:S2")
     p.add_argument("--world", type=int, default=2, help="gloo ranks (default 2)")
     p.add_argument("--json", default=os.path.join(_ROOT, "benchmarks", "results", "bench_conv.json"))
     args = p.parse_args(argv)

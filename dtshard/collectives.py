@@ -173,11 +173,18 @@ _in_flight = [False]
 class in_flight:
     """Inside this block, the collectives of this module return their result while still in
     flight, as PyTorch's ``AsyncCollectiveTensor`` (waited on its first use): what
-    ``redistribute(async_op=True)`` runs its last step under.  Outside any tracing only."""
+    ``redistribute(async_op=True)`` runs its last step under.  Outside any tracing only, unless
+    ``graph=True``: then, under torch.compile, the result is the functional collective's
+    un-waited output and the caller places the wait in the graph itself (:func:`wait_in_graph`),
+    after the work that may overlap it."""
+
+    def __init__(self, graph: bool = False):
+        self.graph = graph
 
     def __enter__(self):
         self.prev = _in_flight[0]
-        _in_flight[0] = not torch.compiler.is_compiling()
+        compiling = torch.compiler.is_compiling()
+        _in_flight[0] = "graph" if compiling and self.graph else not compiling
         return self
 
     def __exit__(self, *exc):
@@ -185,7 +192,14 @@ class in_flight:
         return False
 
 
+def wait_in_graph(t: torch.Tensor) -> torch.Tensor:
+    """The wait of a functional collective issued under ``in_flight(graph=True)`` while tracing."""
+    return _fc.wait_tensor(t)
+
+
 def _wait(t: torch.Tensor) -> torch.Tensor:
+    if _in_flight[0] == "graph":
+        return t  # the caller waits (wait_in_graph) where the graph should
     if _in_flight[0]:
         from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
@@ -272,10 +286,14 @@ def all_gather(x: torch.Tensor, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor
 
 
 def can_overlap(x: torch.Tensor) -> bool:
-    """Can a collective on ``x`` be left in flight while the caller computes (eager, a plain
-    tensor, no tracing and no dispatch mode)?"""
-    return type(x) is torch.Tensor and not torch.compiler.is_compiling() and _current_mode() is None \
-        and not _in_flight[0]
+    """Can a collective on ``x`` be left in flight while the caller computes?  Eagerly on a plain
+    tensor with no dispatch mode (the work handle is waited later), or while torch.compile
+    traces (the functional collective's wait goes later in the graph: ``in_flight(graph=True)``)."""
+    if _in_flight[0]:
+        return False
+    if torch.compiler.is_compiling():
+        return True
+    return type(x) is torch.Tensor and _current_mode() is None
 
 
 def reduce_scatter(x: torch.Tensor, op: str, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:

@@ -457,24 +457,28 @@ def exchange(x: torch.Tensor, plan: WindowPlan, dim: int, mesh, mesh_dim: int, f
 class PendingWindow:
     """A halo exchange in flight (:func:`exchange_async`): ``wait()`` gives the window."""
 
-    def __init__(self, x, recv, plan: WindowPlan, dim: int):
-        self.x, self.recv, self.plan, self.dim = x, recv, plan, dim
+    def __init__(self, x, recv, plan: WindowPlan, dim: int, in_graph: bool = False):
+        self.x, self.recv, self.plan, self.dim, self.in_graph = x, recv, plan, dim, in_graph
 
     def wait(self) -> torch.Tensor:
         p = self.plan
-        if isinstance(self.recv, torch.Tensor) and hasattr(self.recv, "wait"):
+        if isinstance(self.recv, torch.Tensor) and self.in_graph:
+            self.recv = C.wait_in_graph(self.recv)  # the functional all_to_all's wait, here in the graph
+        elif isinstance(self.recv, torch.Tensor) and hasattr(self.recv, "wait"):
             self.recv = self.recv.wait()  # an AsyncCollectiveTensor
         return _exchange_window(self.x, self.recv, self.dim, p.me, list(p.recv_lengths), p.keep_offset, p.pad_left,
                                 p.pad_right, 0.0)
 
 
 def exchange_async(x: torch.Tensor, plan: WindowPlan, dim: int, mesh, mesh_dim: int) -> PendingWindow:
-    """:func:`exchange` with the all_to_all left in flight (eager only, below autograd): the
-    caller computes what needs no halo, then ``wait()``s for the window."""
+    """:func:`exchange` with the all_to_all left in flight (below autograd): the caller computes
+    what needs no halo, then ``wait()``s for the window.  Eagerly the all_to_all's work handle is
+    waited then; under torch.compile its functional collective is in the graph and its wait is
+    placed where ``wait()`` is called."""
     a = _op_args(plan, dim, mesh, mesh_dim)
-    with C.in_flight():
+    with C.in_flight(graph=True):
         recv = _exchange_send(x, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[10])
-    return PendingWindow(x, recv, plan, dim)
+    return PendingWindow(x, recv, plan, dim, in_graph=torch.compiler.is_compiling())
 
 
 def accumulate(g: torch.Tensor, plan: WindowPlan, dim: int, mesh, mesh_dim: int) -> torch.Tensor:
