@@ -129,6 +129,7 @@ class _Variant:
             from dtshard.propagate import config
 
             config.halo_overlap, config.halo_overlap_forward = self.overlap
+            config.halo_overlap_compiled = self.compiled and self.overlap[0]
         y = self.fn(self.x, self.w, self.b, padding=self.padding)
         y.backward(self.g)
         if not keep:  # timing: drop the step's tensors (memory of the --big run)

@@ -58,14 +58,19 @@ class config:
     #: asynchronous all_reduce per bucket (``dtshard.grad_buckets``; DDP's 25 MiB); 0: one
     #: collective per gradient, right away.
     grad_bucket_bytes: int = 25 * 2**20
-    #: A spatially sharded convolution (one sharded dim) overlaps its halo exchanges with compute
-    #: (eager only): in backward the input window for the weight gradient travels while the
-    #: input gradient is computed; in forward (``halo_overlap_forward``) the output rows that need
-    #: no halo are computed while the window travels, then the boundary rows.  Measured with
-    #: bench_conv.py (benchmarks/README.md): backward 7% faster on 2 and 4 CPU ranks, forward
-    #: no gain there (its join costs a copy of the output), so the forward part is off by default.
+    #: A spatially sharded convolution (one sharded dim) overlaps its halo exchanges with compute:
+    #: in backward the input window for the weight gradient travels while the input gradient is
+    #: computed; in forward (``halo_overlap_forward``) the output rows that need no halo are
+    #: computed while the window travels, then the boundary rows.  Measured with bench_conv.py
+    #: (benchmarks/README.md): eagerly, backward 7% faster on 2 and 4 CPU ranks, forward no gain
+    #: there (its join costs a copy of the output), so the forward part is off by default.
     halo_overlap: bool = True
     halo_overlap_forward: bool = False
+    #: The same overlap under torch.compile (``halo_overlap_compiled``): the exchange is then an
+    #: async functional all_to_all whose wait the graph places after the interior compute.  Off by
+    #: default: on CPU (gloo, inductor) the compiled step is 1.6x SLOWER with it (the split graph
+    #: does more work than the one-op exchange it replaces; bench_conv.py ``+compiled`` variants).
+    halo_overlap_compiled: bool = False
     #: Debug/test switch: also run the meta kernel where a rule's ``meta`` function stands in for
     #: it, and raise RuleError when the two disagree (the OpInfo sweep turns this on).
     verify_meta: bool = False

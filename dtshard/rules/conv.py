@@ -409,6 +409,8 @@ def _checked(op, out, plan):
 def _overlap_on(x, forward: bool = False) -> bool:
     from dtshard.propagate import config
 
+    if torch.compiler.is_compiling() and not config.halo_overlap_compiled:
+        return False
     return config.halo_overlap and (config.halo_overlap_forward or not forward) and C.can_overlap(x)
 
 

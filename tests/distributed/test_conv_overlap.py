@@ -104,8 +104,8 @@ def _compiled(_=None):
     x = torch.randn(2, 3, 24, 9, generator=g, dtype=torch.float64)
     w = torch.randn(4, 3, 3, 3, generator=g, dtype=torch.float64)
     res = {}
-    saved = (config.halo_overlap, config.halo_overlap_forward)
-    config.halo_overlap = config.halo_overlap_forward = True
+    saved = (config.halo_overlap, config.halo_overlap_forward, config.halo_overlap_compiled)
+    config.halo_overlap = config.halo_overlap_forward = config.halo_overlap_compiled = True
     try:
         for compiled in (False, True):
             dx = dtshard.distribute_tensor(x, mesh, [Shard(2)]).requires_grad_()
@@ -120,7 +120,7 @@ def _compiled(_=None):
             y.sum().backward()
             res[compiled] = (y.full_tensor(), dx.grad.full_tensor(), dw.grad.full_tensor())
     finally:
-        config.halo_overlap, config.halo_overlap_forward = saved
+        config.halo_overlap, config.halo_overlap_forward, config.halo_overlap_compiled = saved
     err = max((a - b).abs().max().item() for a, b in zip(res[False], res[True]))
     keep = ("all_to_all", "wait_tensor", "convolution")
     seqs = [[line.split("torch.ops.")[1].split("(")[0] for line in code.splitlines()
@@ -129,7 +129,8 @@ def _compiled(_=None):
 
 
 def test_compiled_overlap_waits_after_the_interior():
-    """Under torch.compile the exchange is an async functional all_to_all whose wait the graph
+    """With ``config.halo_overlap_compiled`` (off by default: it does not pay on CPU), under
+    torch.compile the exchange is an async functional all_to_all whose wait the graph
     has AFTER the compute that needs no halo: forward, the interior rows' convolution; backward,
     the input gradient's convolution_backward (while the input window for the weight gradient
     travels).  Values equal the eager op's."""
