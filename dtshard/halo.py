@@ -481,6 +481,25 @@ def exchange_async(x: torch.Tensor, plan: WindowPlan, dim: int, mesh, mesh_dim: 
     return PendingWindow(x, recv, plan, dim, in_graph=torch.compiler.is_compiling())
 
 
+def exchange_keep(x: torch.Tensor, plan: WindowPlan, dim: int, mesh, mesh_dim: int) -> tuple:
+    """Eager :func:`exchange` that also returns what it received (small: the halo rows), so the
+    same window can be rebuilt later without traffic (:func:`window_from`): a convolution's
+    backward reads the very window its forward exchanged."""
+    if _identity(plan):
+        return x, None
+    a = _op_args(plan, dim, mesh, mesh_dim)
+    recv = _exchange_send(x, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[10])
+    return window_from(x, recv, plan, dim), recv
+
+
+def window_from(x: torch.Tensor, recv, plan: WindowPlan, dim: int) -> torch.Tensor:
+    """The window of :func:`exchange_keep` again, from the shard ``x`` and what was received."""
+    if _identity(plan):
+        return x
+    return _exchange_window(x, recv, dim, plan.me, list(plan.recv_lengths), plan.keep_offset, plan.pad_left,
+                            plan.pad_right, 0.0)
+
+
 def accumulate(g: torch.Tensor, plan: WindowPlan, dim: int, mesh, mesh_dim: int) -> torch.Tensor:
     """Gradient of the owned shard from the gradient ``g`` of the window (adjoint of
     :func:`exchange`)."""

@@ -384,8 +384,17 @@ def convolution_handler(op, args, kwargs):
         if plan.overlap is not None and _overlap_on(xl, forward=True):
             out = _overlapped(op, xl, wl, bl, plan, mesh, transposed, output_padding, groups)
             return _checked(op, out, plan)
-        for i, d, wplan in plan.plans:
-            xl = halo.exchange(xl, wplan, d, mesh, i)
+        if _keep_windows(x, w, plan) and not _overlap_on(xl, forward=True):
+            recvs = []
+            for i, d, wplan in plan.plans:
+                xl, recv = halo.exchange_keep(xl, wplan, d, mesh, i)
+                recvs.append(recv)
+            # the backward's weight gradient reads this same window: keep what arrived (the halo
+            # rows) on the input, so the backward rebuilds the window without an exchange
+            x.__dict__[_WINDOWS] = (x._version, plan.plans, recvs)
+        else:
+            for i, d, wplan in plan.plans:
+                xl = halo.exchange(xl, wplan, d, mesh, i)
         if plan.path == "tconv":
             out = _tconv_forward(op, xl, wl, bl, plan.out_local_shape, plan.plans, plan.w_k, stride,
                                  plan.local_padding, plan.padding, dilation, plan.local_output_padding, groups)
@@ -396,6 +405,34 @@ def convolution_handler(op, args, kwargs):
         else:
             out = op(xl, wl, bl, stride, plan.local_padding, dilation, transposed, output_padding, groups)
     return _checked(op, out, plan)
+
+
+#: attribute of a convolution's input DTensor: ``(its version, the window plans, what each
+#: exchange received)`` of the last forward that exchanged its halo (see :func:`_kept_window`)
+_WINDOWS = "_dtshard_conv_windows"
+
+
+def _keep_windows(x, w, plan) -> bool:
+    """Keep the forward's received halo for the backward: eagerly, when a backward will run
+    (grad mode, an input or the weight requires grad) and the window is the input's own shard
+    widened (no re-layout).  Every condition here and in :func:`_kept_window` is the same on
+    every rank (no per-rank path or overlap split), so all ranks skip the backward's exchange
+    together: a rank-dependent choice would be a collective mismatch."""
+    return (plan.x_target is None and bool(plan.plans) and torch.is_grad_enabled()
+            and (x.requires_grad or w.requires_grad) and not torch.compiler.is_compiling())
+
+
+def _kept_window(x, plan):
+    """The input window the forward exchanged, rebuilt without traffic, or None: the same window
+    plans, the input unchanged since (its version), eagerly."""
+    kept = x.__dict__.get(_WINDOWS)
+    if (kept is None or plan.x_target is not None or torch.compiler.is_compiling()
+            or kept[0] != x._version or kept[1] != plan.plans):
+        return None
+    xl = x._local_tensor
+    for (_, d, wplan), recv in zip(plan.plans, kept[2]):
+        xl = halo.window_from(xl, recv, wplan, d)
+    return xl
 
 
 def _checked(op, out, plan):
@@ -565,8 +602,9 @@ def convolution_backward_handler(op, args, kwargs):
         # a Partial output takes a Replicate gradient
         gl = g._local_tensor if plan.g_target is None else to_local(g, plan.g_target)
         wl = w._local_tensor if plan.w_target is None else to_local(w, plan.w_target)
-        if (mask[0] and mask[1] and plan.path == "local" and len(plan.plans) == 1 and plan.plans[0][2].any_traffic
-                and _overlap_on(gl)):
+        kept = _kept_window(x, plan) if mask[1] else None
+        if (kept is None and mask[0] and mask[1] and plan.path == "local" and len(plan.plans) == 1
+                and plan.plans[0][2].any_traffic and _overlap_on(gl)):
             # the input window (for the weight gradient) travels while the input gradient is
             # computed; the input gradient needs only the window's shape
             xo = x._local_tensor if plan.x_target is None else to_local(x, plan.x_target)
@@ -580,7 +618,9 @@ def convolution_backward_handler(op, args, kwargs):
                            transposed, plan.output_padding, groups, [False, True, mask[2]])
             gi = halo.accumulate(gi, wplan, d, mesh, i)
             return _wrap_grads(op, (gi, gw, gb), plan)
-        if mask[1]:  # grad_weight reads the input window
+        if kept is not None:  # the window the forward exchanged: no traffic
+            xl = kept
+        elif mask[1]:  # grad_weight reads the input window
             xl = x._local_tensor if plan.x_target is None else to_local(x, plan.x_target)
             for i, d, wplan in plan.plans:
                 xl = halo.exchange(xl, wplan, d, mesh, i)
