@@ -168,6 +168,14 @@ _KINDS = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_t
           "broadcast": "BC"}
 
 
+def _deviation(rs: list) -> tuple:
+    """One step's ``(|d loss|, max |d W|, within tolerance)`` over every rank's row (the spatial
+    demos' check against one process)."""
+    dl = max(abs(r["loss"] - r["ref"]) for r in rs)
+    dw = max(r["dev_w"] for r in rs)
+    return dl, dw, dl <= 1e-6 + 1e-5 * abs(rs[0]["ref"]) and dw <= 1e-5
+
+
 def _max_dev(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
     """(max |got - want|, max |got - want| / (ATOL + RTOL |want|)): the second is <= 1 when ok."""
     diff = (got.detach().double() - want.detach().double()).abs()
@@ -408,9 +416,7 @@ def report_cnn(steps: int, world: int, ranks: list[dict], elapsed: float, height
     rows, ok = [], True
     for k in range(steps):
         rs = [r["rows"][k] for r in ranks]
-        dl = max(abs(r["loss"] - r["ref"]) for r in rs)
-        dw = max(r["dev_w"] for r in rs)
-        good = dl <= 1e-6 + 1e-5 * abs(rs[0]["ref"]) and dw <= 1e-5
+        dl, dw, good = _deviation(rs)
         ok = ok and good
         kinds = ", ".join(f"{_KINDS.get(kd, kd)} x{n}" for kd, n in sorted(rs[0]["kinds"].items()))
         rows.append([str(k + 1), f"{rs[0]['loss']:.7f}", f"{rs[0]['ref']:.7f}", f"{dl:.1e}", f"{dw:.1e}",
@@ -488,9 +494,7 @@ def report_unet3d(steps: int, world: int, ranks: list[dict], elapsed: float, siz
     rows, ok = [], True
     for k in range(steps):
         rs = [r["rows"][k] for r in ranks]
-        dl = max(abs(r["loss"] - r["ref"]) for r in rs)
-        dw = max(r["dev_w"] for r in rs)
-        good = dl <= 1e-6 + 1e-5 * abs(rs[0]["ref"]) and dw <= 1e-5
+        dl, dw, good = _deviation(rs)
         ok = ok and good
         other = ", ".join(f"{_KINDS.get(kd, kd)} x{n}" for kd, n in sorted(rs[0]["other"].items()))
         rows.append([str(k + 1), f"{rs[0]['loss']:.7f}", f"{rs[0]['ref']:.7f}", f"{dl:.1e}", f"{dw:.1e}",
