@@ -461,13 +461,17 @@ class PendingWindow:
         self.x, self.recv, self.plan, self.dim, self.in_graph = x, recv, plan, dim, in_graph
 
     def wait(self) -> torch.Tensor:
-        p = self.plan
         if isinstance(self.recv, torch.Tensor) and self.in_graph:
             self.recv = C.wait_in_graph(self.recv)  # the functional all_to_all's wait, here in the graph
         elif isinstance(self.recv, torch.Tensor) and hasattr(self.recv, "wait"):
             self.recv = self.recv.wait()  # an AsyncCollectiveTensor
-        return _exchange_window(self.x, self.recv, self.dim, p.me, list(p.recv_lengths), p.keep_offset, p.pad_left,
-                                p.pad_right, 0.0)
+        return window_from(self.x, self.recv, self.plan, self.dim)
+
+
+def _send(x: torch.Tensor, plan: WindowPlan, dim: int, mesh, mesh_dim: int):
+    """Issue the exchange's all_to_all for ``plan`` (the received buffer, or None)."""
+    a = _op_args(plan, dim, mesh, mesh_dim)
+    return _exchange_send(x, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[10])
 
 
 def exchange_async(x: torch.Tensor, plan: WindowPlan, dim: int, mesh, mesh_dim: int) -> PendingWindow:
@@ -475,9 +479,8 @@ def exchange_async(x: torch.Tensor, plan: WindowPlan, dim: int, mesh, mesh_dim: 
     what needs no halo, then ``wait()``s for the window.  Eagerly the all_to_all's work handle is
     waited then; under torch.compile its functional collective is in the graph and its wait is
     placed where ``wait()`` is called."""
-    a = _op_args(plan, dim, mesh, mesh_dim)
     with C.in_flight(graph=True):
-        recv = _exchange_send(x, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[10])
+        recv = _send(x, plan, dim, mesh, mesh_dim)
     return PendingWindow(x, recv, plan, dim, in_graph=torch.compiler.is_compiling())
 
 
@@ -487,8 +490,7 @@ def exchange_keep(x: torch.Tensor, plan: WindowPlan, dim: int, mesh, mesh_dim: i
     backward reads the very window its forward exchanged."""
     if _identity(plan):
         return x, None
-    a = _op_args(plan, dim, mesh, mesh_dim)
-    recv = _exchange_send(x, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[10])
+    recv = _send(x, plan, dim, mesh, mesh_dim)
     return window_from(x, recv, plan, dim), recv
 
 

@@ -381,10 +381,11 @@ def convolution_handler(op, args, kwargs):
         xl = x._local_tensor if plan.x_target is None else to_local(x, plan.x_target)
         wl = w._local_tensor if plan.w_target is None else to_local(w, plan.w_target)
         bl = None if bias is None else (bias._local_tensor if plan.b_target is None else to_local(bias, plan.b_target))
-        if plan.overlap is not None and _overlap_on(xl, forward=True):
+        overlap = _overlap_on(xl, forward=True)  # the same on every rank (plan.overlap is not)
+        if plan.overlap is not None and overlap:
             out = _overlapped(op, xl, wl, bl, plan, mesh, transposed, output_padding, groups)
             return _checked(op, out, plan)
-        if _keep_windows(x, w, plan) and not _overlap_on(xl, forward=True):
+        if not overlap and _keep_windows(x, w, plan):
             recvs = []
             for i, d, wplan in plan.plans:
                 xl, recv = halo.exchange_keep(xl, wplan, d, mesh, i)

@@ -40,9 +40,18 @@ def _place(lib, mesh, model, layout):
         setattr(owner, attr, nn.Parameter(distribute_tensor(p.detach().clone(), mesh, [pl[k] for k in want])))
 
 
+def _kind(kind: str) -> tuple:
+    """(mesh dim names of the 2x2 mesh, the DataParallelMeshDims) of one test kind."""
+    from torch.distributed.fsdp import DataParallelMeshDims
+
+    names = {"fsdp_tp": ("dp", "tp"), "hsdp": ("rep", "shard"), "flat": ("dp", "cp"), "ddp_tp": ("dp", "tp")}[kind]
+    dims = {"fsdp_tp": DataParallelMeshDims(shard="dp"), "hsdp": DataParallelMeshDims(shard="shard", replicate="rep"),
+            "flat": DataParallelMeshDims(shard=("dp", "cp")), "ddp_tp": DataParallelMeshDims(replicate="dp")}[kind]
+    return names, dims
+
+
 def _run(kind: str, steps: int = 3):
     from torch.distributed.device_mesh import init_device_mesh as torch_mesh
-    from torch.distributed.fsdp import DataParallelMeshDims
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
     from torch.distributed.tensor import DTensor as TorchDTensor
 
@@ -50,9 +59,7 @@ def _run(kind: str, steps: int = 3):
     from dtshard.debug import CommCounter
     from dtshard.fsdp import fully_shard
 
-    names = {"fsdp_tp": ("dp", "tp"), "hsdp": ("rep", "shard"), "flat": ("dp", "cp"), "ddp_tp": ("dp", "tp")}[kind]
-    dims = {"fsdp_tp": DataParallelMeshDims(shard="dp"), "hsdp": DataParallelMeshDims(shard="shard", replicate="rep"),
-            "flat": DataParallelMeshDims(shard=("dp", "cp")), "ddp_tp": DataParallelMeshDims(replicate="dp")}[kind]
+    names, dims = _kind(kind)
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 4))
     out = {}
@@ -152,7 +159,6 @@ def _compiled_matches_eager(kind: str, steps: int = 2):
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
-    from torch.distributed.fsdp import DataParallelMeshDims
 
     import dtshard
     from dtshard.fsdp import fully_shard
@@ -165,9 +171,7 @@ def _compiled_matches_eager(kind: str, steps: int = 2):
         return make_boxed_func(gm.forward)
 
     backend = aot_autograd(fw_compiler=record, bw_compiler=record, partition_fn=min_cut_rematerialization_partition)
-    names = {"fsdp_tp": ("dp", "tp"), "hsdp": ("rep", "shard"), "flat": ("dp", "cp"), "ddp_tp": ("dp", "tp")}[kind]
-    dims = {"fsdp_tp": DataParallelMeshDims(shard="dp"), "hsdp": DataParallelMeshDims(shard="shard", replicate="rep"),
-            "flat": DataParallelMeshDims(shard=("dp", "cp")), "ddp_tp": DataParallelMeshDims(replicate="dp")}[kind]
+    names, dims = _kind(kind)
     mesh = dtshard.init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
     coord = mesh.get_coordinate()
     dp_index = coord[0] if kind in ("fsdp_tp", "ddp_tp") else coord[0] * 2 + coord[1]
