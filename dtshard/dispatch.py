@@ -43,6 +43,40 @@ class MixedTensorError(RuntimeError):
         self.tensor = tensor
 
 
+def _dispatch_halo(op, args, kwargs):
+    from dtshard.spatial.pointwise import dispatch_halo
+
+    return dispatch_halo(op, args, kwargs)
+
+
+def _without_halos(handler):
+    """``handler`` behind a guard: DTensor arguments that carry a halo (:mod:`dtshard.spatial`)
+    are handed to it without (a handler that knows halos registers with ``keeps_halo=True``)."""
+
+    def guarded(op, args, kwargs):
+        DT = _DT
+        if not _any_halo(args, kwargs, DT):
+            return handler(op, args, kwargs)
+        from dtshard.spatial.pointwise import stripped
+
+        return stripped(op, args, kwargs, handler)
+
+    guarded.__wrapped__ = handler
+    return guarded
+
+
+def _any_halo(args, kwargs, DT) -> bool:
+    for a in itertools.chain(args, kwargs.values()):
+        if isinstance(a, DT):
+            if a._spec.halo:
+                return True
+        elif type(a) is list or type(a) is tuple:
+            for x in a:
+                if isinstance(x, DT) and x._spec.halo:
+                    return True
+    return False
+
+
 def _plain_layouts(handler):
     """``handler`` behind a guard: DTensor arguments that hold strided shards are handed to it
     redistributed to plain ``Shard`` placements (handlers compute with shard offsets and
@@ -205,8 +239,14 @@ def clear_cache(*, plans: bool = True) -> None:
 
 def _reload_handlers() -> None:
     _handlers.clear()
-    _handlers.update({id(op): _members_only(fn if op in registry.strided_handlers or op not in registry._entries
-                                            else _plain_layouts(fn)) for op, fn in registry.handlers.items()})
+    def guard(op, fn):
+        if op in registry._entries and op not in registry.strided_handlers:
+            fn = _plain_layouts(fn)
+        if op not in registry.halo_handlers:
+            fn = _without_halos(fn)
+        return _members_only(fn)
+
+    _handlers.update({id(op): guard(op, fn) for op, fn in registry.handlers.items()})
 
 
 def _registry_changed(*, plans: bool = True) -> None:
@@ -418,6 +458,9 @@ def _dispatch_general(op, args: tuple, kwargs: dict):
     except TypeError:  # an unhashable argument: plan without caching
         tkey, plan = None, None
     specs = [d._spec for d in dts]
+    for s in specs:
+        if s.halo:  # a spatial shard with its neighbours' rows: dtshard.spatial decides
+            return _dispatch_halo(op, args, kwargs)
     if plan is None and specs and not _member(specs[0].mesh):
         return _non_member(op, margs, mkwargs, specs, args, kwargs)
     if plan is None:

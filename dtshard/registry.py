@@ -85,6 +85,9 @@ class RuleEntry:
     #: DTensor ops or in a layout-free way.  Any other handler gets its DTensor arguments with
     #: strided shards converted to plain ``Shard`` first (dispatch._plain_layouts).
     keeps_strided: bool = False
+    #: a handler that takes DTensors carrying a halo (:mod:`dtshard.spatial`) as they are; any
+    #: other handler gets them without (the dispatcher drops the halo first)
+    keeps_halo: bool = False
 
 
 _entries: dict[torch._ops.OpOverload, RuleEntry] = {}
@@ -92,6 +95,8 @@ _entries: dict[torch._ops.OpOverload, RuleEntry] = {}
 handlers: dict[torch._ops.OpOverload, Callable] = {}
 #: the handlers registered with ``keeps_strided=True``
 strided_handlers: set = set()
+#: the handlers registered with ``keeps_halo=True``
+halo_handlers: set = set()
 # Called after every registration change (the dispatcher clears its plan cache).
 _on_change: list[Callable[[], None]] = []
 
@@ -106,6 +111,8 @@ def _changed(*, plans: bool = True) -> None:
     handlers.update({op: e.fn for op, e in _entries.items() if e.kind == "handler"})
     strided_handlers.clear()
     strided_handlers.update(op for op, e in _entries.items() if e.kind == "handler" and e.keeps_strided)
+    halo_handlers.clear()
+    halo_handlers.update(op for op, e in _entries.items() if e.kind == "handler" and e.keeps_halo)
     for scope in _scoped:
         handlers.update(scope)
     for fn in _on_change:
@@ -117,7 +124,7 @@ def _where(fn: Callable) -> str:
     return f"{code.co_filename}:{code.co_firstlineno}" if code else repr(fn)
 
 
-def _register(ops, fn, kind, shape_args=None, local=None, meta=None, keeps_strided=False) -> None:
+def _register(ops, fn, kind, shape_args=None, local=None, meta=None, keeps_strided=False, keeps_halo=False) -> None:
     if isinstance(ops, torch._ops.OpOverload):
         ops = [ops]
     for op in ops:
@@ -131,7 +138,8 @@ def _register(ops, fn, kind, shape_args=None, local=None, meta=None, keeps_strid
                 f"a {old.kind} for {op} is already registered at {old.source}; one op has one rule. "
                 f"Edit that one, or use dtshard.registry.override() in tests."
             )
-        _entries[op] = RuleEntry(op, fn, kind, dict(shape_args or {}), _where(fn), local, meta, keeps_strided)
+        _entries[op] = RuleEntry(op, fn, kind, dict(shape_args or {}), _where(fn), local, meta, keeps_strided,
+                                 keeps_halo)
     _changed()
 
 
@@ -164,17 +172,18 @@ def register_rule(
     return deco
 
 
-def register_handler(ops, *, keeps_strided: bool = False) -> Callable:
+def register_handler(ops, *, keeps_strided: bool = False, keeps_halo: bool = False) -> Callable:
     """Decorator: ``fn(op, args, kwargs)`` runs the op on DTensor args itself (for ops whose math
     needs more than a placement choice). It may call other ops on DTensors and redistribute.
 
     A handler sees plain layouts only: DTensor arguments holding strided shards are converted to
     ``Shard`` before it runs (and written arguments converted back after), unless
     ``keeps_strided=True`` says it handles them (it uses only DTensor ops, or never looks at
-    shard positions)."""
+    shard positions).  Likewise DTensors that carry a halo (:mod:`dtshard.spatial`) reach it
+    without, unless ``keeps_halo=True`` (it reads ``spec.halo`` and computes on the halo rows)."""
 
     def deco(fn):
-        _register(ops, fn, "handler", keeps_strided=keeps_strided)
+        _register(ops, fn, "handler", keeps_strided=keeps_strided, keeps_halo=keeps_halo)
         return fn
 
     return deco

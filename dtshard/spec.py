@@ -23,6 +23,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 __all__ = [
     "DTensorSpec",
+    "Halo",
     "TensorMeta",
     "Region",
     "chunk_range",
@@ -284,12 +285,33 @@ class TensorMeta:
         return n
 
 
+@dataclass(frozen=True)
+class Halo:
+    """Rows of its neighbours that a spatial shard carries on one tensor dim (see
+    :mod:`dtshard.spatial`): ``lo`` rows before its owned chunk and ``hi`` after, as far as the
+    global tensor reaches (a rank at a global edge holds fewer: ``max(0, c - lo)`` to
+    ``min(N, e + hi)`` for an owned chunk ``[c, e)``).  ``dim`` is sharded by ``Shard(dim)`` on
+    ``mesh_dim`` and by no other mesh dim."""
+
+    dim: int
+    mesh_dim: int
+    lo: int
+    hi: int
+
+
 @dataclass(frozen=True, eq=False)
 class DTensorSpec:
     """Immutable description of a distributed tensor's layout.
 
-    Hash and equality cover (mesh, placements, shape, stride, dtype); the hash is computed once,
-    since specs are dispatch-cache keys on the hot path.
+    Hash and equality cover (mesh, placements, shape, stride, dtype, halo); the hash is computed
+    once, since specs are dispatch-cache keys on the hot path.
+
+    ``halo`` (empty for almost every tensor): the spatial dims whose local tensor carries rows of
+    the neighbouring shards (:class:`Halo`, in mesh-dim order); the local tensor is then the
+    owned shard widened by them.  ``halo_partial``: those rows (and the owned ones) hold this
+    rank's CONTRIBUTION to a sum over ranks (a gradient of a tensor that carried a halo), not
+    copies.  Only :mod:`dtshard.spatial` and the ops it names read the halo; every other op sees
+    the shard without it (:func:`dtshard.spatial.plain_local`).
     """
 
     mesh: "torch.distributed.device_mesh.DeviceMesh"
@@ -297,13 +319,16 @@ class DTensorSpec:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
+    halo: tuple[Halo, ...] = ()
+    halo_partial: bool = False
 
     def __hash__(self) -> int:
         # computed once, lazily (a spec built while torch.compile traces may hold proxies), and
         # kept as a plain attribute, not a dataclass field: compile rebuilds specs from fields
         h = self.__dict__.get("_hash")
         if h is None:
-            h = hash((mesh_identity(self.mesh), self.placements, self.shape, self.stride, self.dtype))
+            key = (mesh_identity(self.mesh), self.placements, self.shape, self.stride, self.dtype)
+            h = hash(key + (self.halo, self.halo_partial) if self.halo else key)
             object.__setattr__(self, "_hash", h)
         return h
 
@@ -316,6 +341,8 @@ class DTensorSpec:
             and self.shape == other.shape
             and self.stride == other.stride
             and self.dtype == other.dtype
+            and self.halo == other.halo
+            and self.halo_partial == other.halo_partial
         )
 
     def __getstate__(self) -> dict:
@@ -351,7 +378,22 @@ class DTensorSpec:
         return self.numel() * _itemsize(self.dtype)
 
     def with_placements(self, placements: Sequence[Placement]) -> "DTensorSpec":
+        """The same tensor with other placements (and no halo)."""
         return DTensorSpec(self.mesh, tuple(placements), self.shape, self.stride, self.dtype)
+
+    @property
+    def plain(self) -> "DTensorSpec":
+        """This spec without its halo (itself when it has none)."""
+        if not self.halo:
+            return self
+        return DTensorSpec(self.mesh, self.placements, self.shape, self.stride, self.dtype)
+
+    def with_halo(self, halo: Sequence["Halo"], partial: bool = False) -> "DTensorSpec":
+        """This spec with ``halo`` (widths of 0 dropped; none left: the plain spec)."""
+        halo = tuple(h for h in halo if h.lo or h.hi)
+        if not halo:
+            return self.plain
+        return DTensorSpec(self.mesh, self.placements, self.shape, self.stride, self.dtype, halo, partial)
 
     def local_shape(self, coordinate: Sequence[int]) -> tuple[int, ...]:
         return local_shape(self.shape, self.mesh_shape, self.placements, coordinate)
@@ -387,9 +429,13 @@ class DTensorSpec:
         return [i for i, p in enumerate(self.placements) if is_shard(p) and p.dim == tensor_dim]
 
     def __repr__(self) -> str:
+        halo = ""
+        if self.halo:
+            halo = ", halo=" + ",".join(f"dim{h.dim}({h.lo},{h.hi})" for h in self.halo) + \
+                (" partial" if self.halo_partial else "")
         return (
             f"DTensorSpec(shape={tuple(self.shape)}, placements={placements_str(self.placements)}, "
-            f"mesh={tuple(self.mesh_shape)}, dtype={self.dtype})"
+            f"mesh={tuple(self.mesh_shape)}, dtype={self.dtype}{halo})"
         )
 
 

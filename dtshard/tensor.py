@@ -140,6 +140,11 @@ def _grad_placements(ps: Sequence[Placement]) -> tuple[Placement, ...]:
     return tuple(Replicate() if isinstance(p, Partial) else p for p in ps)
 
 
+def _drop_halo(t: "DTensor") -> "DTensor":
+    """``t`` without the halo it carries (differentiable: a view op, which drops it)."""
+    return t.view_as(t)
+
+
 class DTensor(torch.Tensor):
     """A distributed tensor: ``_local_tensor`` is this rank's shard, ``_spec`` the global layout."""
 
@@ -199,7 +204,8 @@ class DTensor(torch.Tensor):
     def __repr__(self) -> str:  # never gathers
         return (
             f"dtshard.DTensor(local={self._local_tensor}, shape={tuple(self._spec.shape)}, "
-            f"placements={placements_str(self._spec.placements)}, mesh={tuple(self._spec.mesh.shape)})"
+            f"placements={placements_str(self._spec.placements)}, mesh={tuple(self._spec.mesh.shape)}"
+            + (f", halo={self._spec.halo}{' partial' if self._spec.halo_partial else ''})" if self._spec.halo else ")")
         )
 
     @classmethod
@@ -214,7 +220,8 @@ class DTensor(torch.Tensor):
     def __tensor_unflatten__(inner_tensors, spec, outer_size, outer_stride):
         local = inner_tensors["_local_tensor"]
         if tuple(outer_size) != spec.shape or tuple(outer_stride) != spec.stride:
-            spec = DTensorSpec(spec.mesh, spec.placements, tuple(outer_size), tuple(outer_stride), spec.dtype)
+            spec = DTensorSpec(spec.mesh, spec.placements, tuple(outer_size), tuple(outer_stride), spec.dtype,
+                               spec.halo, spec.halo_partial)
         return DTensor(local, spec, requires_grad=local.requires_grad)
 
     def __coerce_same_metadata_as_tangent__(self, flatten_spec, expected_type=None):
@@ -223,12 +230,16 @@ class DTensor(torch.Tensor):
         if expected_type is not None and expected_type is not DTensor:
             return None
         spec = flatten_spec
-        if spec.placements == self._spec.placements:
+        if self._spec.halo and not spec.halo:
+            return _drop_halo(self).__coerce_same_metadata_as_tangent__(flatten_spec, expected_type)
+        if spec.placements == self._spec.placements and spec.halo == self._spec.halo:
             return self
         return self.redistribute(self._spec.mesh, spec.placements)
 
     def __coerce_tangent_metadata__(self):
-        # Tangents for AOTAutograd must not be Partial: reduce them to Replicate.
+        # Tangents for AOTAutograd must not be Partial: reduce them to Replicate; nor carry a halo
+        if self._spec.halo:
+            return _drop_halo(self).__coerce_tangent_metadata__()
         if not any(isinstance(p, Partial) for p in self._spec.placements):
             return self
         return self.redistribute(self._spec.mesh, _grad_placements(self._spec.placements))
@@ -300,6 +311,8 @@ class DTensor(torch.Tensor):
     def to_local(self, *, grad_placements: Optional[Sequence[Placement]] = None) -> torch.Tensor:
         """This rank's shard as a plain tensor (differentiable: the gradient is taken to have
         ``grad_placements``, by default this tensor's placements)."""
+        if self._spec.halo:  # the owned shard, without the halo rows
+            return _drop_halo(self).to_local(grad_placements=grad_placements)
         if not (self.requires_grad and torch.is_grad_enabled()):
             return self._local_tensor
         return _ToLocal.apply(self, tuple(grad_placements) if grad_placements is not None else None)
@@ -322,6 +335,9 @@ class DTensor(torch.Tensor):
         ``True``: the last collective of the transition may still be in flight when this returns
         (the local shard is PyTorch's ``AsyncCollectiveTensor``, waited on first use), so work
         in between overlaps it, as with PyTorch's DTensor."""
+        if self._spec.halo:  # moving data: without the halo rows
+            return _drop_halo(self).redistribute(device_mesh, placements, async_op=async_op,
+                                                  forward_dtype=forward_dtype, backward_dtype=backward_dtype)
         mesh = self._spec.mesh
         # under torch.compile the mesh argument is an opaque proxy: the tensor's own mesh rules
         if device_mesh is not None and device_mesh is not mesh and not torch.compiler.is_compiling() \

@@ -59,6 +59,8 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from dtshard import _trace, halo
 from dtshard import collectives as C
+from dtshard.spatial import conv as HC
+from dtshard.spatial import layout as SL
 from dtshard.redistribute import redistribute_local
 from dtshard.registry import register_handler
 from dtshard.spec import DTensorSpec, chunk_range, contiguous_strides
@@ -340,7 +342,8 @@ class _ConvPlan(_Plan):
     key: computed once by :func:`_plan_convolution`, then the call is local ops and exchanges."""
 
     __slots__ = ("x_target", "w_target", "b_target", "plans", "stride", "padding", "dilation", "local_padding",
-                 "local_output_padding", "out_spec", "out_local_shape", "path", "modes", "coord", "w_k", "overlap")
+                 "local_output_padding", "out_spec", "out_local_shape", "path", "modes", "coord", "w_k", "overlap",
+                 "halo")
 
 
 _conv_plans_cache: dict = {}
@@ -352,7 +355,8 @@ def _tup(v):
 
 def _conv_key(args, kwargs):
     """The cache key of a forward convolution call (all 9 arguments positional, as
-    ``F.conv*d`` passes them), or None (then the slow path plans and checks everything)."""
+    ``F.conv*d`` passes them, and the halo depth policy), or None (then the slow path plans and
+    checks everything)."""
     from dtshard.dispatch import _DT
 
     if kwargs or len(args) != 9:
@@ -362,19 +366,23 @@ def _conv_key(args, kwargs):
         return None
     try:  # F.conv*d passes lists
         return (x._spec, w._spec, None if bias is None else bias._spec, tuple(stride), tuple(padding),
-                tuple(dilation), transposed, tuple(output_padding), groups)
+                tuple(dilation), transposed, tuple(output_padding), groups, SL._depth[0])
     except TypeError:  # an int where aten allows one
         return (x._spec, w._spec, None if bias is None else bias._spec, _tup(stride), _tup(padding),
-                _tup(dilation), transposed, _tup(output_padding), groups)
+                _tup(dilation), transposed, _tup(output_padding), groups, SL._depth[0])
 
 
-@register_handler(aten.convolution.default)
+@register_handler(aten.convolution.default, keeps_halo=True)
 def convolution_handler(op, args, kwargs):
     """Forward convolution on DTensors (any mode of the module docstring, per mesh dim).  A call
     whose (specs, arguments) were seen before runs its cached :class:`_ConvPlan`: no argument
     binding, mode table or window arithmetic per call."""
     plan, bound = _cached_plan(_conv_plans_cache, _conv_key(args, kwargs), _plan_convolution, op, args, kwargs)
     x, w, bias, _, _, _, transposed, output_padding, groups = bound
+    if plan.halo is not None:
+        return _halo_forward(op, x, w, bias, plan, output_padding, groups)
+    if x._spec.halo:  # a halo this call cannot use
+        x = SL.strip(x)
     stride, dilation = plan.stride, plan.dilation
     mesh = x._spec.mesh
     with op_context(op):
@@ -406,6 +414,35 @@ def convolution_handler(op, args, kwargs):
         else:
             out = op(xl, wl, bl, stride, plan.local_padding, dilation, transposed, output_padding, groups)
     return _checked(op, out, plan)
+
+
+def _halo_forward(op, x, w, bias, plan, output_padding, groups):
+    """A convolution on a halo layout (:mod:`dtshard.spatial.conv`): widen the input once for
+    several layers, or consume the halo it carries; the output carries what is left."""
+    hp, coord = plan.halo, plan.coord
+    with op_context(op):
+        wl = w._local_tensor
+        bl = None if bias is None else bias._local_tensor
+        xl = x._local_tensor
+        if hp.grow is not None:
+            spec = x._spec.plain
+            if x._spec.halo:
+                xl = SL.plain_local(x)
+            if _keep_windows(x, w, plan):  # the backward rebuilds this window from what arrived
+                xl, recvs = SL.grow_local(xl, spec, hp.grow, coord, keep=True)
+                x.__dict__[HC.KEPT] = (x._version, hp.grow, recvs)
+            else:
+                xl = SL.grow_local(xl, spec, hp.grow, coord)
+        if _numel(hp.out_local_shape) == 0 or wl.numel() == 0:
+            out = xl.new_zeros(hp.out_local_shape)
+            if bl is not None and _numel(hp.out_local_shape):
+                out += bl.view([1, -1] + [1] * (x.dim() - 2))
+        else:
+            out = op(HC.window(xl, hp.windows), wl, bl, plan.stride, plan.local_padding, plan.dilation, False,
+                     output_padding, groups)
+    if tuple(out.shape) != hp.out_local_shape:  # never return a mislabelled shard
+        raise AssertionError(f"{op}: local output {tuple(out.shape)} does not match {hp.out_spec} at {coord}")
+    return wrap(out, hp.out_spec)
 
 
 #: attribute of a convolution's input DTensor: ``(its version, the window plans, what each
@@ -527,8 +564,11 @@ def _plan_convolution(op, args, kwargs) -> _ConvPlan:
         path = "local"
     overlap = _overlap_split(plans, x_local_shape, stride, padding, dilation, list(w.shape[2:])) \
         if path == "local" and not transposed else None
+    halo_plan = HC.forward_plan(x._spec, out_spec, modes, stride, padding, dilation, tuple(w.shape), groups,
+                                transposed, coord, x_target is None and target(w, "w") is None
+                                and target(bias, "bias") is None)
     return _ConvPlan(x_target=x_target, w_target=target(w, "w"), b_target=target(bias, "bias"), plans=plans,
-                     overlap=overlap,
+                     overlap=overlap, halo=halo_plan,
                      stride=stride, padding=padding, dilation=dilation, local_padding=local_padding, local_output_padding=local_output_padding, out_spec=out_spec,
                      out_local_shape=out_local_shape, path=path, modes=modes, coord=coord, w_k=list(w.shape[2:]))
 
@@ -562,7 +602,7 @@ class _ConvBackwardPlan(_Plan):
 
     __slots__ = ("g_target", "w_target", "x_target", "plans", "stride", "padding", "dilation", "output_padding",
                  "local_padding", "local_output_padding", "window_shape", "specs", "out_shapes", "path",
-                 "local_bias", "mask", "w_k", "coord")
+                 "local_bias", "mask", "w_k", "coord", "halo", "halo_kept")
 
 
 _conv_backward_cache: dict = {}
@@ -589,7 +629,7 @@ def _conv_backward_key(args, kwargs):
             _tup(padding), _tup(dilation), transposed, _tup(output_padding), groups, tuple(bool(m) for m in mask))
 
 
-@register_handler(aten.convolution_backward.default)
+@register_handler(aten.convolution_backward.default, keeps_halo=True)
 def convolution_backward_handler(op, args, kwargs):
     """Backward of :func:`convolution_handler` (same modes, so it matches the forward layout);
     cached per (specs, arguments) like the forward."""
@@ -597,6 +637,17 @@ def convolution_backward_handler(op, args, kwargs):
                                op, args, kwargs)
     g, x, w = bound[0], bound[1], bound[2]
     transposed, groups = bound[7], bound[9]
+    if plan.halo is not None:
+        return _halo_backward(op, g, x, w, plan.halo, plan, transposed, groups)
+    if plan.halo_kept is not None and HC.KEPT in x.__dict__:  # its forward widened x for several layers
+        return _halo_backward(op, g, x, w, plan.halo_kept, plan, transposed, groups)
+    if g._spec.halo:  # halos this call cannot use: the owners' sums of a partial one
+        if g._spec.halo_partial:
+            SL.demote_(g)
+        else:
+            g = SL.strip(g)
+    if x._spec.halo:
+        x = SL.strip(x)
     mesh = x._spec.mesh
     mask = plan.mask
     with op_context(op):
@@ -643,6 +694,59 @@ def convolution_backward_handler(op, args, kwargs):
             for i, d, wplan in reversed(plan.plans):
                 gi = halo.accumulate(gi, wplan, d, mesh, i)
     return _wrap_grads(op, (gi, gw, gb), plan)
+
+
+def _halo_backward(op, g, x, w, hb, plan, transposed, groups):
+    """Backward of :func:`_halo_forward` (see :mod:`dtshard.spatial.conv`): the input gradient on
+    the rows around the shard that the output gradient's halo reaches; a partial halo when the
+    input carries those rows, else sent back to their owners once."""
+    coord, mask = plan.coord, plan.mask
+    with op_context(op):
+        gl = g._local_tensor if g._spec.halo_partial or not g._spec.halo else SL.plain_local(g)
+        wl = w._local_tensor
+        need_spec = x._spec.plain.with_halo(hb.need)
+        xl = None
+        if mask[1] and hb.grow is None:  # the input carries the rows
+            xl = SL.narrow_local(x._local_tensor, x._spec, hb.need, coord)
+        elif mask[1]:
+            xo = SL.plain_local(x) if x._spec.halo else x._local_tensor
+            kept = x.__dict__.get(HC.KEPT)
+            if (kept is not None and not torch.compiler.is_compiling() and kept[0] == x._version
+                    and len(kept[1]) == len(hb.grow) and all(
+                        k.dim == n.dim and k.lo >= n.lo and k.hi >= n.hi for k, n in zip(kept[1], hb.grow))):
+                xl = SL.regrow_local(xo, x._spec.plain, kept[1], coord, kept[2])  # the forward's window
+                xl = SL.narrow_local(xl, x._spec.plain.with_halo(kept[1]), hb.need, coord)
+            else:
+                xl = SL.grow_local(xo, x._spec.plain, hb.grow, coord)
+        if xl is None:  # the input gradient needs only the window's shape
+            xl = gl.new_zeros(SL.ext_shape(need_spec, coord))
+        xw = HC.window(xl, hb.windows)
+        if gl.numel() == 0 or xw.numel() == 0 or wl.numel() == 0:
+            gi = xw.new_zeros(xw.shape) if mask[0] else None
+            gw = wl.new_zeros(wl.shape) if mask[1] else None
+            gb = gl.sum([0] + list(range(2, gl.dim()))) if mask[2] and plan.local_bias is not None else None
+        else:
+            gi, gw, gb = op(gl, xw, wl, plan.local_bias, plan.stride, plan.local_padding, plan.dilation, transposed,
+                            plan.output_padding, groups, mask)
+        gi_spec = plan.specs[0]
+        if mask[0]:
+            for d, _, length, pad_l, _ in hb.windows:
+                if gi.shape[d] != length:
+                    gi = gi.narrow(d, pad_l, length)
+            if hb.partial_out:
+                gi_spec = gi_spec.with_halo(hb.need, partial=True)
+            else:
+                gi = SL.accumulate_local(gi, x._spec.plain, hb.grow, coord)
+    outs = []
+    for t, spec in zip((gi, gw, gb), (gi_spec, plan.specs[1], plan.specs[2])):
+        if spec is None:
+            outs.append(None)
+            continue
+        want = SL.ext_shape(spec, coord)
+        if tuple(t.shape) != want:
+            raise AssertionError(f"{op}: local gradient {tuple(t.shape)} does not match {spec} ({want}) at {coord}")
+        outs.append(wrap(t, spec))
+    return tuple(outs)
 
 
 def _wrap_grads(op, grads, plan) -> tuple:
@@ -701,7 +805,11 @@ def _plan_convolution_backward(op, args, kwargs) -> _ConvBackwardPlan:
         dilation=dilation, output_padding=output_padding, local_padding=local_padding,
         local_output_padding=local_output_padding, window_shape=window_shape, specs=specs,
         out_shapes=[None if sp is None else sp.local_shape(coord) for sp in specs], path=path,
-        local_bias=[g_shape[1]] if bias_sizes is not None else None, mask=mask, w_k=list(w.shape[2:]), coord=coord)
+        local_bias=[g_shape[1]] if bias_sizes is not None else None, mask=mask, w_k=list(w.shape[2:]), coord=coord,
+        halo=HC.backward_plan(g._spec, x._spec, modes, stride, padding, dilation, tuple(w.shape), transposed, coord,
+                              g_target is None and w_target is None and x_target is None),
+        halo_kept=HC.backward_plan(g._spec, x._spec, modes, stride, padding, dilation, tuple(w.shape), transposed,
+                                   coord, g_target is None and w_target is None and x_target is None, kept=True))
 
 
 def _tconv_backward(op, gl, xl, wl, local_bias, plans, k_sizes, stride, local_padding, padding, dilation,

@@ -109,6 +109,7 @@ def layer_norm_backward_rule(call: OpCall):
 
 from torch.distributed.tensor.placement_types import Replicate  # noqa: E402
 
+from dtshard import collectives as C  # noqa: E402
 from dtshard.registry import register_handler  # noqa: E402
 
 
@@ -214,39 +215,66 @@ def _gn_reduce(local, mesh, sums, stat_t, shape, dtype):
     return redistribute_local(local, make_spec(mesh, sums, shape, dtype), stat_t)
 
 
-@register_handler(aten.native_group_norm.default)
+def _gn_halo(x, x_t, weight, bias) -> bool:
+    """Does this group norm compute on ``x``'s halo?  When the halo is replicated, on spatial
+    dims, and nothing moves (see :mod:`dtshard.spatial`): the statistics then come from the
+    owned rows only and the extended rows are normalised with them."""
+    return (bool(x._spec.halo) and not x._spec.halo_partial and tuple(x_t) == tuple(x.placements)
+            and all(h.dim >= 2 for h in x._spec.halo)
+            and all(t is None or not t._spec.halo for t in (weight, bias)))
+
+
+def _owned(t, spec, coord):
+    """The owned part of an extended local ``t`` laid out like ``spec`` (a view)."""
+    from dtshard.spatial import layout as SL
+
+    return SL.narrow_local(t, spec, (), coord)
+
+
+@register_handler(aten.native_group_norm.default, keeps_halo=True)
 def group_norm_handler(op, args, kwargs):
     from dtshard.rules.conv import bind, check_dtensors, make_spec, meta_run, op_context, to_local, wrap
+    from dtshard.spatial import layout as SL
 
     x, weight, bias, n, c, hxw, group, eps = bind(op, args, kwargs)
     check_dtensors(op, [t for t in (x, weight, bias) if t is not None])
+    weight, bias = (None if t is None else SL.strip(t) for t in (weight, bias))
     try:  # plain PyTorch's error for bad global shapes, with the context
         gout, gmean, grstd = meta_run(op, x, weight, bias, n, c, hxw, group, eps)
     except Exception as e:
         raise type(e)(f"{_gn_context(op, [x, weight, bias])}: {e}") from e
     mesh = x.device_mesh
     x_t, stat_t, chan_t, sums, _ = _gn_layout(x._spec, group)
+    keep = _gn_halo(x, x_t, weight, bias)
+    if x._spec.halo and not keep:
+        x = SL.strip(x)
     d = c // group
     count = d * hxw
     with torch.no_grad(), op_context(op):
-        xl = to_local(x, x_t)
+        xl = x._local_tensor if keep else to_local(x, x_t)
         wl = None if weight is None else to_local(weight, chan_t)
         bl = None if bias is None else to_local(bias, chan_t)
         nl, cl = xl.shape[0], xl.shape[1]
-        gl, hwl = cl // d, _spatial_numel(xl)
-        xg = _gn_acc(xl).reshape(nl, gl, d * hwl)
+        gl = cl // d
+        xo = _owned(xl, x._spec, C.mesh_coordinate(mesh)) if keep else xl  # the statistics' rows
+        xg = _gn_acc(xo).reshape(nl, gl, d * _spatial_numel(xo))
         acc = xg.dtype
         mean = _gn_reduce(xg.sum(-1), mesh, sums, stat_t, (n, group), acc) / count
         xc = xg - mean.unsqueeze(-1)
         var = _gn_reduce((xc * xc).sum(-1), mesh, sums, stat_t, (n, group), acc) / count
         rstd = torch.rsqrt(var + eps)
+        if keep:  # normalise every row the tensor carries
+            xc = _gn_acc(xl).reshape(nl, gl, d * _spatial_numel(xl)) - mean.unsqueeze(-1)
         y = (xc * rstd.unsqueeze(-1)).reshape(xl.shape)
         shape = [1, cl] + [1] * (xl.dim() - 2)
         if wl is not None:
             y = y * _gn_acc(wl).reshape(shape)
         if bl is not None:
             y = y + _gn_acc(bl).reshape(shape)
-    return (wrap(y.to(gout.dtype), make_spec(mesh, x_t, gout.shape, gout.dtype)),
+    out_spec = make_spec(mesh, x_t, gout.shape, gout.dtype)
+    if keep:
+        out_spec = out_spec.with_halo(x._spec.halo)
+    return (wrap(y.to(gout.dtype), out_spec),
             wrap(mean.to(gmean.dtype), make_spec(mesh, stat_t, gmean.shape, gmean.dtype)),
             wrap(rstd.to(grstd.dtype), make_spec(mesh, stat_t, grstd.shape, grstd.dtype)))
 
@@ -258,23 +286,44 @@ def _spatial_numel(t: torch.Tensor) -> int:
     return n
 
 
-@register_handler(aten.native_group_norm_backward.default)
+@register_handler(aten.native_group_norm_backward.default, keeps_halo=True)
 def group_norm_backward_handler(op, args, kwargs):
+    """Backward of :func:`group_norm_handler`.  With a halo (the forward normalised extended
+    rows): the output gradient ``g`` is a partial halo (or a plain shard), ``x`` carries at least
+    its rows.  The group sums run over every row ``g`` carries (each rank's contributions add up
+    to the true sums); the input gradient's terms that do not scale ``g`` go on the owned rows
+    only, so the result is a partial halo of ``g``'s widths."""
     from dtshard.rules.conv import bind, check_dtensors, make_spec, meta_run, op_context, to_local, wrap
+    from dtshard.spatial import layout as SL
 
     g, x, mean, rstd, weight, n, c, hxw, group, mask = bind(op, args, kwargs)
     check_dtensors(op, [t for t in (g, x, mean, rstd, weight) if t is not None])
+    mean, rstd, weight = (None if t is None else SL.strip(t) for t in (mean, rstd, weight))
     try:
         g_in, g_w, g_b = meta_run(op, g, x, mean, rstd, weight, n, c, hxw, group, mask)
     except Exception as e:
         raise type(e)(f"{_gn_context(op, [g, x, mean, rstd, weight])}: {e}") from e
     mesh = x.device_mesh
     x_t, stat_t, chan_t, sums, grads = _gn_layout(x._spec, group)
+    coord = C.mesh_coordinate(mesh)
+    if g._spec.halo and not g._spec.halo_partial:
+        g = SL.strip(g)
+    # the rows g carries: x must carry them too (it does when the forward kept its halo)
+    keep = bool(g._spec.halo) and _gn_halo(x, x_t, None, None) and tuple(g.placements) == tuple(x_t) and all(
+        SL.halo_widths(x._spec, h.dim)[0] >= h.lo and SL.halo_widths(x._spec, h.dim)[1] >= h.hi for h in g._spec.halo)
+    if g._spec.halo and not keep:
+        SL.demote_(g)
     d = c // group
     count = d * hxw
     gi = gw = gb = None
     with torch.no_grad(), op_context(op):
-        xl, gl = to_local(x, x_t), to_local(g, x_t)
+        if keep:
+            xl = SL.narrow_local(x._local_tensor, x._spec, g._spec.halo, coord)
+            gl = g._local_tensor
+        else:
+            if x._spec.halo:
+                x = SL.strip(x)
+            xl, gl = to_local(x, x_t), to_local(g, x_t)
         nl, cl = xl.shape[0], xl.shape[1]
         gloc, hwl = cl // d, _spatial_numel(xl)
         shape4 = (nl, gloc, d, hwl)
@@ -288,8 +337,20 @@ def group_norm_backward_handler(op, args, kwargs):
             gwt = gg if weight is None else gg * _gn_acc(to_local(weight, chan_t)).reshape(1, gloc, d, 1)
             s = torch.stack([gwt.sum((2, 3)), (gwt * xhat).sum((2, 3))], -1)  # (N, G, 2): one reduction
             s = _gn_reduce(s, mesh, sums, stat_t, (n, group, 2), acc) / count
-            gi = (rstdl * (gwt - s[..., 0, None, None] - xhat * s[..., 1, None, None])).reshape(xl.shape)
-            gi = wrap(gi.to(g_in.dtype), make_spec(mesh, x_t, x.shape, g_in.dtype))
+            gi_spec = make_spec(mesh, x_t, x.shape, g_in.dtype)
+            if keep:  # g's rows scaled on every row; the group terms once, on the owned rows
+                gi = (rstdl * gwt).reshape(xl.shape)
+                own = _owned(gi, g._spec, coord)  # a view: written in place
+                xh = _owned(xhat.reshape(xl.shape), g._spec, coord)
+
+                def per_channel(t):
+                    return t.reshape(nl, gloc).repeat_interleave(d, 1).reshape((nl, cl) + (1,) * (xl.dim() - 2))
+
+                own -= per_channel(rstdl) * (per_channel(s[..., 0]) + xh * per_channel(s[..., 1]))
+                gi_spec = gi_spec.with_halo(g._spec.halo, partial=True)
+            else:
+                gi = (rstdl * (gwt - s[..., 0, None, None] - xhat * s[..., 1, None, None])).reshape(xl.shape)
+            gi = wrap(gi.to(g_in.dtype), gi_spec)
         if mask[1] and g_w is not None:
             gw = (gg * xhat).sum((0, 3)).reshape(cl)
             gw = wrap(gw.to(g_w.dtype), make_spec(mesh, grads, (c,), g_w.dtype))

@@ -332,7 +332,7 @@ def _halo_traffic(n_in, k, s, d, p):
     width, chans = 5, 2
     x = dtshard.distribute_tensor(global_tensor((1, chans, n_in, width), 1), m, [Shard(2)]).requires_grad_()
     w = dtshard.distribute_tensor(global_tensor((3, chans, k, 3), 2), m, [Replicate()]).requires_grad_()
-    with CommCounter() as fwd:
+    with CommCounter() as fwd, dtshard.spatial.halo_depth(1):  # one layer's halo: HALO.md's sizes
         out = F.conv2d(x, w, stride=(s, 1), padding=(p, 1), dilation=(d, 1))
     g = dtshard.DTensor.from_local(torch.ones(out.to_local().shape), m, out.placements, shape=out.shape)
     with CommCounter() as bwd:

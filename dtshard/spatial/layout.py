@@ -1,0 +1,306 @@
+"""Halos as part of a spatial shard's layout: the arithmetic, the depth policy, stripping.
+
+A spatially sharded DTensor (``Shard(d)`` of a spatial dim ``d`` on mesh dim ``i``) may carry a
+halo ``(lo, hi)`` on ``d`` (:class:`dtshard.spec.Halo`, in its spec): its local tensor is then
+its owned chunk ``[c, e)`` (``torch.chunk`` layout of the global length ``N``) widened to the
+EXTENDED range::
+
+    [max(0, c - lo), min(N, e + hi))                                        (ext_range)
+
+so a rank at a global edge holds no rows beyond it, and an empty or short shard holds rows of
+ranks farther away (multi-hop) as the range says.  Everything follows from metadata every rank
+shares: the widths are nominal, the per-rank extents are this formula.
+
+Two kinds (``spec.halo_partial``):
+
+* replicated (activations): every row of the extended range holds the global tensor's value
+  there; the owned shard is a narrow of it, so dropping the halo is free;
+* partial (gradients of activations that carried a halo): the rows hold this rank's
+  CONTRIBUTION; the value at a global row is the sum of every rank's contribution to it.  Dropping
+  the halo sends the halo rows back to their owners, who add them (``halo.accumulate``, the
+  adjoint of the exchange that widened the forward tensor).
+
+Which ops keep a halo (see ``dispatch_halo`` and the handlers that take ``keeps_halo=True``):
+
+* pointwise ops and copies (``detach``, ``clone``, ``_to_copy``) compute on the extended rows;
+  the output's halo is the narrowest of its sharded inputs' (a plain shard: none);
+* ops linear in one argument (``mul``, ``threshold_backward``, ``silu_backward``, ...) and sums
+  (``add``, ``sub``) also keep a partial halo;
+* a stride-1 convolution with "same" padding ``p`` consumes ``p`` rows per side; one whose input
+  halo is too narrow exchanges ONCE for ``depth`` layers (:func:`halo_depth`): it fetches
+  ``depth * p`` rows and returns ``(depth - 1) * p``; its backward sends the gradient's halo back
+  once (``rules/conv.py``);
+* group norm takes its statistics over the OWNED rows only and normalises the extended ones.
+
+Any other op sees the tensor without its halo (the dispatcher strips it first), so a halo can
+never change a result: it only saves exchanges.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Sequence
+
+import torch
+
+from dtshard import halo as H
+from dtshard.spec import DTensorSpec, Halo, chunk_range
+
+__all__ = [
+    "halo_depth",
+    "get_halo_depth",
+    "auto_depth",
+    "ext_range",
+    "grow_plan",
+    "ext_shape",
+    "halo_widths",
+    "narrow_local",
+    "pad_local",
+    "plain_local",
+    "strip",
+    "demote_",
+    "model",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# the depth policy
+# ---------------------------------------------------------------------------------------------
+
+_depth: list = ["auto"]
+
+
+class halo_depth:
+    """How many stride-1 layers one halo exchange serves.
+
+    ``halo_depth(n)`` sets it (``n = 1``: every windowed op exchanges its own halo, as before;
+    ``"auto"``, the default: :func:`auto_depth`'s latency/compute model per convolution); used as
+    a context manager, the previous value comes back on exit::
+
+        with dtshard.spatial.halo_depth(4):
+            y = model(x)          # a chain of 4 "same" 3x3 convs exchanges once per side
+
+    The value is read when a forward op plans (it is part of the plan cache key); backward ops
+    follow the layout their forward produced, whatever the policy is by then.
+    """
+
+    def __init__(self, n) -> None:
+        if n != "auto" and not (isinstance(n, int) and n >= 1):
+            raise ValueError(f"halo_depth: expected an int >= 1 or 'auto', got {n!r}")
+        self.prev = _depth[0]
+        _depth[0] = n
+
+    def __enter__(self) -> "halo_depth":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _depth[0] = self.prev
+
+
+def get_halo_depth():
+    """The current policy: an int >= 1 or ``"auto"``."""
+    return _depth[0]
+
+
+class model:
+    """Constants of the ``"auto"`` depth model, measured on the machine that runs
+    ``benchmarks/bench_conv.py --sections depth`` (2-core CPU, gloo; see benchmarks/README.md):
+
+    ``latency_s``: one halo exchange's fixed cost (an all_to_all of a few rows, plus its packing
+    and the window's assembly); ``flops_per_s``: a convolution's local throughput.  Set them for
+    another machine (a GPU with NCCL has a far higher throughput, so its depths come out deeper).
+    """
+
+    latency_s: float = 4e-4
+    flops_per_s: float = 8e9
+    max_depth: int = 8
+
+
+def auto_depth(row_flops: float, radius: int, width: int) -> int:
+    """The depth that minimises a layer's cost under the latency/compute model.
+
+    One exchange per ``n`` layers costs ``latency / n`` per layer; growing the halo for ``n``
+    layers of radius ``r`` computes ``r (n - 1)`` extra rows per layer on average (both sides),
+    each ``row_flops / flops_per_s`` seconds.  The minimum of ``latency / n + r (n - 1) t_row`` is
+    at ``n = sqrt(latency / (r t_row))``; clamped to ``[1, max_depth]`` and to halos no wider than
+    half the shard (``width``), so the extra compute stays a fraction of the work.  Inputs are
+    global metadata (the same on every rank)."""
+    if radius <= 0 or row_flops <= 0:
+        return 1
+    t_row = row_flops / model.flops_per_s
+    n = int(round(math.sqrt(model.latency_s / (radius * t_row))))
+    n = min(n, model.max_depth, max(1, width // (2 * radius)))
+    return max(1, n)
+
+
+# ---------------------------------------------------------------------------------------------
+# arithmetic (pure metadata)
+# ---------------------------------------------------------------------------------------------
+
+
+def ext_range(n_len: int, n: int, q: int, lo: int, hi: int) -> tuple[int, int]:
+    """Global ``[start, stop)`` that rank ``q`` of ``n`` holds with a halo ``(lo, hi)``."""
+    c, ln = chunk_range(n_len, n, q)
+    return max(0, c - lo), min(n_len, c + ln + hi)
+
+
+@functools.lru_cache(maxsize=4096)
+def grow_plan(n_len: int, n: int, me: int, lo: int, hi: int) -> H.WindowPlan:
+    """The exchange that turns every rank's owned chunk into its extended range (and, run
+    backwards with ``halo.accumulate``, a partial extended tensor into the owned sums)."""
+    return H.range_plan(n_len, n_len, n, me, tuple(ext_range(n_len, n, q, lo, hi) for q in range(n)))
+
+
+def _offsets(spec: DTensorSpec, h: Halo, coord) -> tuple[int, int, int, int]:
+    """``(s, c, e, t)``: extended start, owned start/stop, extended stop (global)."""
+    n_len, n, q = spec.shape[h.dim], spec.mesh_shape[h.mesh_dim], coord[h.mesh_dim]
+    c, ln = chunk_range(n_len, n, q)
+    s, t = ext_range(n_len, n, q, h.lo, h.hi)
+    return s, c, c + ln, t
+
+
+def halo_widths(spec: DTensorSpec, dim: int) -> tuple[int, int]:
+    """Nominal ``(lo, hi)`` of ``spec``'s halo on tensor dim ``dim`` (0, 0 without one)."""
+    for h in spec.halo:
+        if h.dim == dim:
+            return h.lo, h.hi
+    return 0, 0
+
+
+def ext_shape(spec: DTensorSpec, coord) -> tuple[int, ...]:
+    """This rank's local shape under ``spec`` (the owned shape widened by the halo)."""
+    shape = list(spec.local_shape(coord))
+    for h in spec.halo:
+        s, _, _, t = _offsets(spec, h, coord)
+        shape[h.dim] = t - s
+    return tuple(shape)
+
+
+def _target(halo_to: Sequence[Halo], h: Halo) -> Halo:
+    for g in halo_to:
+        if g.dim == h.dim:
+            return g
+    return Halo(h.dim, h.mesh_dim, 0, 0)
+
+
+def check_halo(spec: DTensorSpec) -> None:
+    """Raise when ``spec``'s halo does not fit its placements (one plain ``Shard(dim)`` per dim)."""
+    for h in spec.halo:
+        ps = spec.placements
+        if not (0 <= h.mesh_dim < len(ps)) or type(ps[h.mesh_dim]).__name__ != "Shard" or ps[h.mesh_dim].dim != h.dim \
+                or sum(1 for p in ps if getattr(p, "dim", None) == h.dim and type(p).__name__ == "Shard") != 1 \
+                or h.lo < 0 or h.hi < 0:
+            raise ValueError(f"dtshard: halo {h} does not fit {spec}: a halo needs exactly one plain Shard({h.dim}) "
+                             f"of its tensor dim, on mesh dim {h.mesh_dim}, and widths >= 0")
+
+
+# ---------------------------------------------------------------------------------------------
+# local tensors
+# ---------------------------------------------------------------------------------------------
+
+
+def narrow_local(local: torch.Tensor, spec: DTensorSpec, halo_to: Sequence[Halo], coord) -> torch.Tensor:
+    """A replicated extended ``local`` (under ``spec``) narrowed to the halo ``halo_to`` (every
+    width at most ``spec``'s; a view, no copy).  For partial tensors use :func:`pad_local`."""
+    for h in spec.halo:
+        g = _target(halo_to, h)
+        if (g.lo, g.hi) == (h.lo, h.hi):
+            continue
+        s, _, _, t = _offsets(spec, h, coord)
+        s2, _, _, t2 = _offsets(spec, g, coord)
+        if s2 < s or t2 > t:
+            raise AssertionError(f"narrow_local: {g} is wider than {h} of {spec}")
+        local = local.narrow(h.dim, s2 - s, t2 - s2)
+    return local
+
+
+def pad_local(local: torch.Tensor, spec: DTensorSpec, halo_to: Sequence[Halo], coord) -> torch.Tensor:
+    """A partial extended ``local`` (under ``spec``; a plain shard is a partial one with no halo)
+    widened with zero contributions to the halo ``halo_to`` (every width at least ``spec``'s)."""
+    import dtshard_kernels as K
+
+    have = {h.dim: h for h in spec.halo}
+    for g in halo_to:
+        h = have.get(g.dim, Halo(g.dim, g.mesh_dim, 0, 0))
+        if (g.lo, g.hi) == (h.lo, h.hi):
+            continue
+        s, _, _, t = _offsets(spec, h, coord)
+        s2, _, _, t2 = _offsets(spec, g, coord)
+        if s2 > s or t2 < t:
+            raise AssertionError(f"pad_local: {g} is narrower than {h} of {spec}")
+        if s - s2 or t2 - t:
+            local = K.halo_cat([local], g.dim, s - s2, t2 - t)
+    return local
+
+
+def plain_local(dt) -> torch.Tensor:
+    """``dt``'s owned shard as a plain local tensor: a narrow of a replicated halo, or, for a
+    partial one, the owners' sums (one ``halo.accumulate`` per halo dim, in reverse order: a
+    collective, entered by every rank alike since the spec is the same everywhere)."""
+    from dtshard import collectives as C
+
+    spec = dt._spec
+    local = dt._local_tensor
+    if not spec.halo:
+        return local
+    coord = C.mesh_coordinate(spec.mesh)
+    if not spec.halo_partial:
+        return narrow_local(local, spec, (), coord)
+    for h in reversed(spec.halo):
+        plan = grow_plan(spec.shape[h.dim], spec.mesh_shape[h.mesh_dim], coord[h.mesh_dim], h.lo, h.hi)
+        local = H.accumulate(local, plan, h.dim, spec.mesh, h.mesh_dim)
+    return local
+
+
+def strip(dt):
+    """A DTensor of the same global tensor and placements without a halo (below autograd: a new
+    wrapper, no graph).  ``dt`` itself when it has none."""
+    if not dt._spec.halo:
+        return dt
+    from dtshard.tensor import DTensor
+
+    return DTensor(plain_local(dt), dt._spec.plain, requires_grad=False)
+
+
+def demote_(dt) -> None:
+    """Drop ``dt``'s halo IN PLACE (its local tensor becomes the owned shard): for an op that
+    writes into ``dt`` without knowing halos, and for partial halos, whose resolution is a
+    collective worth doing once."""
+    if dt._spec.halo:
+        local = plain_local(dt)
+        dt._local_tensor = local
+        dt._spec = dt._spec.plain
+
+
+def grow_local(local: torch.Tensor, spec: DTensorSpec, halo_to: Sequence[Halo], coord, *, keep: bool = False):
+    """The plain shard ``local`` (under the plain ``spec``) widened to the replicated halo
+    ``halo_to``: one exchange per halo dim, in mesh-dim order (a later dim's exchange moves the
+    rows the earlier ones brought, so corners arrive).  ``keep``: also return what each exchange
+    received, so :func:`regrow_local` rebuilds the same tensor without traffic."""
+    recvs = []
+    for g in halo_to:
+        plan = grow_plan(spec.shape[g.dim], spec.mesh_shape[g.mesh_dim], coord[g.mesh_dim], g.lo, g.hi)
+        if keep:
+            local, recv = H.exchange_keep(local, plan, g.dim, spec.mesh, g.mesh_dim)
+            recvs.append(recv)
+        else:
+            local = H.exchange(local, plan, g.dim, spec.mesh, g.mesh_dim)
+    return (local, recvs) if keep else local
+
+
+def regrow_local(local: torch.Tensor, spec: DTensorSpec, halo_to: Sequence[Halo], coord, recvs) -> torch.Tensor:
+    """:func:`grow_local` again from what its exchanges received (no traffic)."""
+    for g, recv in zip(halo_to, recvs):
+        plan = grow_plan(spec.shape[g.dim], spec.mesh_shape[g.mesh_dim], coord[g.mesh_dim], g.lo, g.hi)
+        local = H.window_from(local, recv, plan, g.dim)
+    return local
+
+
+def accumulate_local(local: torch.Tensor, spec: DTensorSpec, halo: Sequence[Halo], coord) -> torch.Tensor:
+    """A partial extended ``local`` with ``halo`` (over the plain ``spec``) reduced to the owned
+    sums (the adjoint of :func:`grow_local`)."""
+    for g in reversed(tuple(halo)):
+        plan = grow_plan(spec.shape[g.dim], spec.mesh_shape[g.mesh_dim], coord[g.mesh_dim], g.lo, g.hi)
+        local = H.accumulate(local, plan, g.dim, spec.mesh, g.mesh_dim)
+    return local

@@ -1,0 +1,251 @@
+"""The dispatcher's path for ops with a DTensor argument that carries a halo (see layout.py).
+
+An op that has no handler reaches :func:`dispatch_halo`.  It is planned as it would be without
+the halos (the dispatcher's own plan, shared with its cache); then, when the op is one that can
+compute on the halo rows and the plan keeps the sharded dims where they are, it runs on the
+extended local tensors and its output carries a halo.  Otherwise every halo is dropped first
+(replicated: a narrow; partial: the owners' sums) and the op runs as usual.  The decision is a
+function of the specs and the op, cached per dispatch key, so every rank takes the same one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dtshard.spec import DTensorSpec, Halo
+from dtshard.spatial import layout as L
+
+aten = torch.ops.aten
+
+__all__ = ["dispatch_halo", "ADDITIVE", "LINEAR"]
+
+#: sums: every input is a partial (or plain) shard of the same layout
+ADDITIVE = {aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor, aten.sub_.Tensor}
+#: op -> the arguments the result is linear in: one of them may be a partial halo, the others
+#: must carry copies (a replicated halo at least as wide) or broadcast along the sharded dims
+LINEAR = {op: (0,) for op in (
+    aten.div.Tensor, aten.div_.Tensor, aten.mul.Scalar, aten.mul_.Scalar, aten.div.Scalar, aten.div_.Scalar,
+    aten.neg.default, aten.threshold_backward.default, aten.silu_backward.default, aten.sigmoid_backward.default,
+    aten.tanh_backward.default, aten.gelu_backward.default, aten.leaky_relu_backward.default,
+    aten.hardtanh_backward.default, aten.elu_backward.default, aten.softplus_backward.default,
+    aten.hardswish_backward.default, aten.hardsigmoid_backward.default, aten.mish_backward.default,
+    aten.detach.default, aten.alias.default, aten.clone.default, aten._to_copy.default,
+)}
+LINEAR[aten.mul.Tensor] = (0, 1)
+LINEAR[aten.mul_.Tensor] = (0, 1)
+#: not tagged pointwise, but element for element (copies and views of the whole tensor)
+_COPIES = {aten.detach.default, aten.alias.default, aten.clone.default, aten._to_copy.default}
+
+_STRIP = "strip"
+_decisions: dict = {}
+
+
+class _Keep:
+    """A cached decision to run on the extended tensors."""
+
+    __slots__ = ("plan", "out_spec", "actions", "inplace")
+
+    def __init__(self, plan, out_spec, actions, inplace):
+        self.plan, self.out_spec, self.actions, self.inplace = plan, out_spec, actions, inplace
+
+
+def _register_cache() -> None:
+    from dtshard import dispatch
+
+    dispatch.handler_caches.append(_decisions)
+
+
+_register_cache()
+
+
+def dispatch_halo(op, args: tuple, kwargs: dict):
+    from dtshard import collectives as C
+    from dtshard import dispatch as D
+
+    DT = D._DT
+    dts: list = []
+    key: list = [id(op)]
+    try:
+        margs = [D._unwrap(op, a, dts, key, DT) for a in args]
+        mkwargs = {}
+        for k, v in kwargs.items():
+            key.append(k)
+            mkwargs[k] = D._unwrap(op, v, dts, key, DT)
+    except D.MixedTensorError:
+        return stripped(op, args, kwargs)
+    try:
+        tkey = tuple(key)
+        dec = _decisions.get(tkey)
+    except TypeError:
+        tkey, dec = None, None
+    if dec is None:
+        dec = _decide(op, args, kwargs, dts, margs, mkwargs, key)
+        if tkey is not None:
+            if len(_decisions) > 8192:
+                _decisions.clear()
+            _decisions[tkey] = dec
+    if dec is _STRIP:
+        return stripped(op, args, kwargs)
+    coord = C.mesh_coordinate(dts[0]._spec.mesh)
+    locals_ = []
+    for d, (action, halo) in zip(dts, dec.actions):
+        t = d._local_tensor
+        if action == "narrow":
+            t = L.narrow_local(t, d._spec, halo, coord)
+        elif action == "pad":
+            t = L.pad_local(t if d._spec.halo_partial or not d._spec.halo else L.narrow_local(t, d._spec, (), coord),
+                            d._spec if d._spec.halo_partial else d._spec.plain, halo, coord)
+        locals_.append(t)
+    largs = [D._local(a, locals_) for a in margs]
+    lkwargs = {k: D._local(v, locals_) for k, v in mkwargs.items()}
+    out = dec.plan.local_op(*largs, **lkwargs)
+    if dec.inplace:
+        return args[0]
+    want = L.ext_shape(dec.out_spec, coord)
+    if tuple(out.shape) != want:  # never return a mislabelled shard
+        raise AssertionError(f"{op}: local output {tuple(out.shape)} does not match {dec.out_spec} ({want}) at {coord}")
+    res = DT(out, dec.out_spec, requires_grad=False)
+    if dec.plan.is_view and dts[0]._copied_view is not None:
+        res._copied_view = dts[0]._copied_view
+    return res
+
+
+def _written(op) -> list[int]:
+    return [k for k, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+
+
+def stripped(op, args: tuple, kwargs: dict, handler=None):
+    """Run ``op`` (through ``handler`` when given, else the dispatcher) without halos: arguments
+    it writes and partial halos lose theirs in place (:func:`layout.demote_`), replicated ones are
+    passed as their owned shards."""
+    from dtshard import dispatch as D
+
+    DT = D._DT
+    names = [a.name for a in op._schema.arguments]
+    written = set(_written(op))
+    written_names = {names[k] for k in written}
+
+    def plain(a, write):
+        if isinstance(a, DT) and a._spec.halo:
+            if write or a._spec.halo_partial:
+                L.demote_(a)
+                return a
+            return L.strip(a)
+        if isinstance(a, (list, tuple)) and any(isinstance(x, DT) for x in a):
+            return type(a)(plain(x, write) for x in a)
+        return a
+
+    pargs = tuple(plain(a, k in written) for k, a in enumerate(args))
+    pkwargs = {k: plain(v, k in written_names) for k, v in kwargs.items()}
+    if handler is not None:
+        return handler(op, pargs, pkwargs)
+    return D.dispatch(op, pargs, pkwargs)
+
+
+def _plain_plan(op, args, kwargs, dts, margs, mkwargs, key):
+    from dtshard import dispatch as D
+    from dtshard.propagate import propagate
+
+    pkey = tuple(k.plain if isinstance(k, DTensorSpec) else k for k in key)
+    try:
+        plan = D._cache.get(pkey)
+    except TypeError:
+        pkey, plan = None, None
+    if plan is None:
+        plan = propagate(op, args, kwargs, [d._spec.plain for d in dts], margs, mkwargs)
+        if pkey is not None:
+            D._cache[pkey] = plan
+    return plan
+
+
+def _decide(op, args, kwargs, dts, margs, mkwargs, key):
+    """``_STRIP`` or a :class:`_Keep` for this call (pure metadata: the same on every rank)."""
+    pointwise = torch.Tag.pointwise in op.tags or op in _COPIES
+    if not (pointwise or op in LINEAR or op in ADDITIVE):
+        return _STRIP
+    try:
+        plan = _plain_plan(op, args, kwargs, dts, margs, mkwargs, key)
+    except Exception:  # noqa: BLE001 - the stripped call raises the same error with its context
+        return _STRIP
+    if (plan.mode not in ("functional", "inplace") or plan.redistributes or plan.shape_overrides
+            or len(plan.out_specs) != 1 or plan.out_specs[0] is None or plan.inplace_view):
+        return _STRIP
+    out = plan.out_specs[0]
+    # the halo dims: every (dim, mesh dim) some input carries, which the output keeps sharded alike
+    dims: dict[int, int] = {}
+    for d in dts:
+        for h in d._spec.halo:
+            if d._spec.ndim != out.ndim or dims.get(h.dim, h.mesh_dim) != h.mesh_dim:
+                return _STRIP
+            dims[h.dim] = h.mesh_dim
+    for dim, i in dims.items():
+        p = out.placements[i]
+        if type(p).__name__ != "Shard" or p.dim != dim:
+            return _STRIP
+    # classify every input on every halo dim: its (lo, hi) when sharded there (0, 0: a plain
+    # shard), None when it broadcasts along it
+    kinds = []
+    for d in dts:
+        s = d._spec
+        per = {}
+        for dim, i in dims.items():
+            p = s.placements[i] if i < len(s.placements) else None
+            aligned = dim - (out.ndim - s.ndim)
+            if type(p).__name__ == "Shard" and p.dim == aligned and s.ndim == out.ndim and s.shape[dim] == out.shape[dim]:
+                per[dim] = L.halo_widths(s, dim)
+            elif type(p).__name__ == "Replicate" and (aligned < 0 or s.shape[aligned] == 1):
+                per[dim] = None
+            else:
+                return _STRIP
+        kinds.append(per)
+    partial = [k for k, d in enumerate(dts) if d._spec.halo and d._spec.halo_partial]
+    inplace = plan.mode == "inplace"
+    if partial:
+        if op in ADDITIVE:
+            if any(v is None for per in kinds for v in per.values()):
+                return _STRIP  # a broadcast term added to every copy would be summed n times
+            if any(isinstance(a, torch.Tensor) and not isinstance(a, type(dts[0])) for a in args):
+                return _STRIP
+            widths = {dim: (max(per[dim][0] for per in kinds), max(per[dim][1] for per in kinds)) for dim in dims}
+            actions_kind = "pad"
+        elif op in LINEAR and len(partial) == 1 and _position(op, args, dts[partial[0]]) in LINEAR[op]:
+            pk = partial[0]
+            widths = {dim: kinds[pk][dim] for dim in dims}
+            for k, per in enumerate(kinds):
+                if k == pk:
+                    continue
+                for dim, v in per.items():
+                    if v is not None and (not dts[k]._spec.halo or v[0] < widths[dim][0] or v[1] < widths[dim][1]):
+                        return _STRIP  # a plain or narrower factor: the partial rows have no copy to multiply
+            actions_kind = "narrow"
+        else:
+            return _STRIP
+    else:
+        widths = {dim: (min(per[dim][0] for per in kinds if per[dim] is not None),
+                        min(per[dim][1] for per in kinds if per[dim] is not None)) for dim in dims}
+        actions_kind = "narrow"
+    halo = tuple(Halo(dim, i, *widths[dim]) for dim, i in sorted(dims.items(), key=lambda t: t[1]))
+    out_spec = out.with_halo(halo, partial=bool(partial))
+    if not out_spec.halo:
+        return _STRIP
+    if inplace and (dts[0]._spec.halo != out_spec.halo or dts[0]._spec.halo_partial != out_spec.halo_partial
+                    or args[0] is not dts[0]):
+        return _STRIP
+    actions = []
+    for d, per in zip(dts, kinds):
+        if all(v is None for v in per.values()):
+            actions.append(("as_is", ()))
+        elif d._spec.halo == out_spec.halo and d._spec.halo_partial == out_spec.halo_partial:
+            actions.append(("as_is", ()))
+        elif partial and actions_kind == "narrow" and d._spec.halo_partial:
+            actions.append(("as_is", ()))
+        else:
+            actions.append((actions_kind, out_spec.halo))
+    return _Keep(plan, out_spec, tuple(actions), inplace)
+
+
+def _position(op, args, dt) -> int:
+    for k, a in enumerate(args):
+        if a is dt:
+            return k
+    return -1
