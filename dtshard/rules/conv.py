@@ -428,7 +428,9 @@ def _halo_forward(op, x, w, bias, plan, output_padding, groups):
             spec = x._spec.plain
             if x._spec.halo:
                 xl = SL.plain_local(x)
-            if _keep_windows(x, w, plan):  # the backward rebuilds this window from what arrived
+            if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+                # the backward rebuilds this window from what arrived (under torch.compile the
+                # joint graph's backward reads the forward's traced rows: AOTAutograd saves them)
                 xl, recvs = SL.grow_local(xl, spec, hp.grow, coord, keep=True)
                 x.__dict__[HC.KEPT] = (x._version, hp.grow, recvs)
             else:
@@ -711,7 +713,7 @@ def _halo_backward(op, g, x, w, hb, plan, transposed, groups):
         elif mask[1]:
             xo = SL.plain_local(x) if x._spec.halo else x._local_tensor
             kept = x.__dict__.get(HC.KEPT)
-            if (kept is not None and not torch.compiler.is_compiling() and kept[0] == x._version
+            if (kept is not None and kept[0] == x._version
                     and len(kept[1]) == len(hb.grow) and all(
                         k.dim == n.dim and k.lo >= n.lo and k.hi >= n.hi for k, n in zip(kept[1], hb.grow))):
                 xl = SL.regrow_local(xo, x._spec.plain, kept[1], coord, kept[2])  # the forward's window

@@ -418,11 +418,102 @@ def _write_back(dts, locals_):
                                       d.placements))
 
 
-@register_handler([aten.native_batch_norm.default, aten._native_batch_norm_legit.default])
+def _bn_halo(x) -> bool:
+    """Does batch norm in training compute on ``x``'s halo (replicated, on spatial dims, the
+    channels not sharded)?  Statistics from the owned rows, every carried row normalised."""
+    return (bool(x._spec.halo) and not x._spec.halo_partial and all(h.dim >= 2 for h in x._spec.halo)
+            and not any(isinstance(p, Partial) or (isinstance(p, Shard) and p.dim == 1) for p in x.placements))
+
+
+def _bn_sums(x):
+    return [Partial("sum") if isinstance(p, Shard) else Replicate() for p in x.placements]
+
+
+def _bn_halo_forward(x, weight, bias, running_mean, running_var, momentum, eps):
+    """:func:`_bn_train_forward` on a halo layout, on local tensors: (out with x's halo, mean,
+    invstd); the sums of the owned rows are reduced once each."""
+    mesh = x.device_mesh
+    coord = C.mesh_coordinate(mesh)
+    rep = [Replicate()] * mesh.ndim
+    c = x.shape[1]
+    n = x.numel() // c
+    xl = x._local_tensor
+    dims = _bn_dims(xl)
+    shape = [1, c] + [1] * (xl.dim() - 2)
+    xo = _gn_acc(_owned(xl, x._spec, coord))
+    acc = xo.dtype
+    mean = _gn_reduce(xo.sum(dims), mesh, _bn_sums(x), rep, (c,), acc) / n
+    var = _gn_reduce(((xo - mean.view(shape)) ** 2).sum(dims), mesh, _bn_sums(x), rep, (c,), acc) / n
+    invstd = torch.rsqrt(var + eps)
+    y = (_gn_acc(xl) - mean.view(shape)) * invstd.view(shape)
+    if weight is not None:
+        y = y * _gn_acc(_local(_rep(weight))).view(shape)
+    if bias is not None:
+        y = y + _gn_acc(_local(_rep(bias))).view(shape)
+    for buf, new in ((running_mean, mean), (running_var, var * (n / (n - 1) if n > 1 else float("inf")))):
+        if buf is not None:
+            upd = _local(_rep(buf)) * (1 - momentum) + new.to(buf.dtype) * momentum
+            aten.copy_.default(buf, _to(_wrap(upd, mesh, rep, (c,)), buf.placements))
+    from dtshard.rules.conv import make_spec, wrap
+
+    out = wrap(y.to(x.dtype), make_spec(mesh, x.placements, x.shape, x.dtype).with_halo(x._spec.halo))
+    return out, _wrap(mean.to(x.dtype), mesh, rep, (c,)), _wrap(invstd.to(x.dtype), mesh, rep, (c,))
+
+
+def _bn_halo_backward(g, x, w, smean, sinv, mask):
+    """Backward of :func:`_bn_halo_forward` (as group norm's: sums over every row the partial
+    gradient carries, the terms that do not scale it on the owned rows only)."""
+    from dtshard.rules.conv import make_spec, wrap
+    from dtshard.spatial import layout as SL
+
+    mesh = x.device_mesh
+    coord = C.mesh_coordinate(mesh)
+    rep = [Replicate()] * mesh.ndim
+    c = x.shape[1]
+    n = x.numel() // c
+    xl = SL.narrow_local(x._local_tensor, x._spec, g._spec.halo, coord)
+    gl = _gn_acc(g._local_tensor)
+    dims = _bn_dims(xl)
+    shape = [1, c] + [1] * (xl.dim() - 2)
+    xhat = (_gn_acc(xl) - _local(_rep(smean)).view(shape)) * _local(_rep(sinv)).view(shape)
+    local_g, local_gx = gl.sum(dims), (gl * xhat).sum(dims)
+    gi = gw = gb = None
+    psum = _bn_sums(x)
+    if mask[0]:
+        s = _gn_reduce(torch.stack([local_g, local_gx]), mesh, psum, rep, (2, c), local_g.dtype) / n
+        scale = _local(_rep(sinv)).view(shape)
+        if w is not None:
+            scale = scale * _local(_rep(w)).view(shape)
+        gi = gl * scale
+        own = _owned(gi, g._spec, coord)
+        own -= scale * (s[0].view(shape) + _owned(xhat, g._spec, coord) * s[1].view(shape))
+        gi = wrap(gi.to(g.dtype), make_spec(mesh, x.placements, x.shape, g.dtype).with_halo(g._spec.halo, partial=True))
+    if mask[1]:
+        gw = _wrap(local_gx.to(g.dtype), mesh, psum, (c,))
+    if mask[2]:
+        gb = _wrap(local_g.to(g.dtype), mesh, psum, (c,))
+    return gi, gw, gb
+
+
+def _bn_strip(t):
+    from dtshard.spatial import layout as SL
+
+    if isinstance(t, _dt()) and t._spec.halo:
+        if t._spec.halo_partial:
+            SL.demote_(t)
+            return t
+        return SL.strip(t)
+    return t
+
+
+@register_handler([aten.native_batch_norm.default, aten._native_batch_norm_legit.default], keeps_halo=True)
 def batch_norm_handler(op, args, kwargs):
     with torch.no_grad():
         names = ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps")
         x, w, b, rm, rv, training, momentum, eps = (list(args) + [kwargs.get(k) for k in names][len(args):])[:8]
+        if training and _bn_halo(x):
+            return _bn_halo_forward(x, w, b, rm, rv, momentum, eps)
+        x = _bn_strip(x)
         if training and _bn_sharded(x):
             return _bn_train_forward(x, w, b, rm, rv, momentum, eps)
         if training:
@@ -438,22 +529,34 @@ def batch_norm_handler(op, args, kwargs):
         return _bn_local(op, x, [w, b, rm, rv, training, momentum, eps], False)
 
 
-@register_handler(aten._native_batch_norm_legit.no_stats)
+@register_handler(aten._native_batch_norm_legit.no_stats, keeps_halo=True)
 def batch_norm_no_stats_handler(op, args, kwargs):
     with torch.no_grad():
         x, w, b, training, momentum, eps = (list(args) + [kwargs.get(k) for k in (
             "input", "weight", "bias", "training", "momentum", "eps")][len(args):])[:6]
+        if _bn_halo(x):
+            return _bn_halo_forward(x, w, b, None, None, momentum, eps)
+        x = _bn_strip(x)
         if _bn_sharded(x):
             return _bn_train_forward(x, w, b, None, None, momentum, eps)
         return _bn_local(op, x, [w, b, training, momentum, eps], True)
 
 
-@register_handler(aten.native_batch_norm_backward.default)
+@register_handler(aten.native_batch_norm_backward.default, keeps_halo=True)
 def batch_norm_backward_handler(op, args, kwargs):
+    from dtshard.spatial import layout as SL
+
     with torch.no_grad():
         names = ("grad_out", "input", "weight", "running_mean", "running_var", "save_mean", "save_invstd",
                  "train", "eps", "output_mask")
         g, x, w, rm, rv, smean, sinv, train, eps, mask = (list(args) + [kwargs.get(k) for k in names][len(args):])[:10]
+        if isinstance(g, _dt()) and g._spec.halo and not g._spec.halo_partial:
+            g = SL.strip(g)
+        if (train and isinstance(g, _dt()) and g._spec.halo and _bn_halo(x) and tuple(g.placements) == tuple(x.placements)
+                and all(SL.halo_widths(x._spec, h.dim)[0] >= h.lo and SL.halo_widths(x._spec, h.dim)[1] >= h.hi
+                        for h in g._spec.halo)):
+            return _bn_halo_backward(g, x, w, smean, sinv, mask)
+        g, x = _bn_strip(g), _bn_strip(x)
         mesh = x.device_mesh
         target = _keep_shards(x, set(range(x.ndim)) - {1})
         x, g = _to(x, target), _to(g, target)
@@ -485,7 +588,7 @@ def batch_norm_backward_handler(op, args, kwargs):
         return gi, gw, gb
 
 
-@register_handler(aten._batch_norm_with_update.default)
+@register_handler(aten._batch_norm_with_update.default, keeps_halo=True)
 def batch_norm_with_update_handler(op, args, kwargs):
     """(out, save_mean, save_invstd, reserve): native_batch_norm in training mode, plus an empty
     reserve buffer (CPU)."""
@@ -498,7 +601,7 @@ def batch_norm_with_update_handler(op, args, kwargs):
     return out, mean, invstd, reserve
 
 
-@register_handler(aten.batch_norm_backward.default)
+@register_handler(aten.batch_norm_backward.default, keeps_halo=True)
 def batch_norm_backward_new_handler(op, args, kwargs):
     names = ("grad_out", "input", "weight", "running_mean", "running_var", "save_mean", "save_var",
              "update", "eps", "output_mask", "reserve")
