@@ -127,16 +127,18 @@ def _model(rank, world, args, q):
         t0 = time.perf_counter()
         H.exchange(x, plan, 2, mesh, 0)
         lat.append(time.perf_counter() - t0)
-    conv = nn.Conv2d(16, 16, 3, padding=1)
-    xs = torch.randn(2, 16, 64, 64)
-    with torch.no_grad():
-        for _ in range(3):
-            conv(xs)
+    conv = nn.Conv2d(32, 32, 3, padding=1)
+    xs = torch.randn(2, 32, 64, 64, requires_grad=True)
+    for _ in range(3):
+        conv(xs).sum().backward()
+    ts = []
+    for _ in range(15):  # forward + backward (3x the forward's FLOPs), as in training
+        dist.barrier()
         t0 = time.perf_counter()
-        for _ in range(10):
-            conv(xs)
-        dt = (time.perf_counter() - t0) / 10
-    flops = 2 * 2 * 16 * 16 * 9 * 64 * 64
+        conv(xs).sum().backward()
+        ts.append(time.perf_counter() - t0)
+    dt = statistics.median(ts)
+    flops = 3 * 2 * 2 * 32 * 32 * 9 * 64 * 64
     if rank == 0:
         q.put(dict(latency_s=statistics.median(lat[50:]), flops_per_s=flops / dt))
 

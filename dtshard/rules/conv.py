@@ -380,7 +380,9 @@ def convolution_handler(op, args, kwargs):
     plan, bound = _cached_plan(_conv_plans_cache, _conv_key(args, kwargs), _plan_convolution, op, args, kwargs)
     x, w, bias, _, _, _, transposed, output_padding, groups = bound
     if plan.halo is not None:
-        return _halo_forward(op, x, w, bias, plan, output_padding, groups)
+        out = _halo_forward(op, x, w, bias, plan, output_padding, groups)
+        if out is not None:
+            return out  # else the depth learned for this call is 1: the usual path
     if x._spec.halo:  # a halo this call cannot use
         x = SL.strip(x)
     stride, dilation = plan.stride, plan.dilation
@@ -418,8 +420,18 @@ def convolution_handler(op, args, kwargs):
 
 def _halo_forward(op, x, w, bias, plan, output_padding, groups):
     """A convolution on a halo layout (:mod:`dtshard.spatial.conv`): widen the input once for
-    several layers, or consume the halo it carries; the output carries what is left."""
+    several layers, or consume the halo it carries; the output carries what is left.  Under the
+    ``"auto"`` depth a widening learns from the chains it served (:class:`HC.Site`) and fetches
+    no more rows than they used (None: it learned that a halo does not pay here)."""
     hp, coord = plan.halo, plan.coord
+    if hp.grow is not None:
+        hp, site = HC.widening_for(hp, w)
+        if hp is None:
+            return None
+    else:
+        site = x.__dict__.get(HC.SITE)
+    if site is not None:
+        site.consumed(hp.out_halo)
     with op_context(op):
         wl = w._local_tensor
         bl = None if bias is None else bias._local_tensor
@@ -444,7 +456,10 @@ def _halo_forward(op, x, w, bias, plan, output_padding, groups):
                      output_padding, groups)
     if tuple(out.shape) != hp.out_local_shape:  # never return a mislabelled shard
         raise AssertionError(f"{op}: local output {tuple(out.shape)} does not match {hp.out_spec} at {coord}")
-    return wrap(out, hp.out_spec)
+    res = wrap(out, hp.out_spec)
+    if site is not None:
+        res.__dict__[HC.SITE] = site
+    return res
 
 
 #: attribute of a convolution's input DTensor: ``(its version, the window plans, what each

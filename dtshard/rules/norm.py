@@ -224,6 +224,19 @@ def _gn_halo(x, x_t, weight, bias) -> bool:
             and all(t is None or not t._spec.halo for t in (weight, bias)))
 
 
+def _with_halo_of(local, spec, x):
+    """``local`` wrapped with ``spec`` plus ``x``'s halo (and the record of where it came from:
+    spatial.conv.SITE)."""
+    from dtshard.rules.conv import wrap
+    from dtshard.spatial.conv import SITE
+
+    res = wrap(local, spec.with_halo(x._spec.halo))
+    site = x.__dict__.get(SITE)
+    if site is not None:
+        res.__dict__[SITE] = site
+    return res
+
+
 def _owned(t, spec, coord):
     """The owned part of an extended local ``t`` laid out like ``spec`` (a view)."""
     from dtshard.spatial import layout as SL
@@ -272,9 +285,8 @@ def group_norm_handler(op, args, kwargs):
         if bl is not None:
             y = y + _gn_acc(bl).reshape(shape)
     out_spec = make_spec(mesh, x_t, gout.shape, gout.dtype)
-    if keep:
-        out_spec = out_spec.with_halo(x._spec.halo)
-    return (wrap(y.to(gout.dtype), out_spec),
+    out = _with_halo_of(y.to(gout.dtype), out_spec, x) if keep else wrap(y.to(gout.dtype), out_spec)
+    return (out,
             wrap(mean.to(gmean.dtype), make_spec(mesh, stat_t, gmean.shape, gmean.dtype)),
             wrap(rstd.to(grstd.dtype), make_spec(mesh, stat_t, grstd.shape, grstd.dtype)))
 
@@ -454,9 +466,9 @@ def _bn_halo_forward(x, weight, bias, running_mean, running_var, momentum, eps):
         if buf is not None:
             upd = _local(_rep(buf)) * (1 - momentum) + new.to(buf.dtype) * momentum
             aten.copy_.default(buf, _to(_wrap(upd, mesh, rep, (c,)), buf.placements))
-    from dtshard.rules.conv import make_spec, wrap
+    from dtshard.rules.conv import make_spec
 
-    out = wrap(y.to(x.dtype), make_spec(mesh, x.placements, x.shape, x.dtype).with_halo(x._spec.halo))
+    out = _with_halo_of(y.to(x.dtype), make_spec(mesh, x.placements, x.shape, x.dtype), x)
     return out, _wrap(mean.to(x.dtype), mesh, rep, (c,)), _wrap(invstd.to(x.dtype), mesh, rep, (c,))
 
 

@@ -30,17 +30,54 @@ import torch
 from dtshard.spec import Halo
 from dtshard.spatial import layout as L
 
-__all__ = ["forward_plan", "backward_plan", "window", "KEPT"]
+__all__ = ["forward_plan", "backward_plan", "widening_for", "window", "KEPT", "SITE", "Site"]
 
 #: attribute of a plain convolution input whose forward widened it: ``(its version, the halo it
 #: was widened to, what each exchange received)``; the backward rebuilds the window from it
 KEPT = "_dtshard_halo_kept"
 
 
+#: attribute of a DTensor whose halo a widening convolution fetched: that widening's
+#: :class:`Site` (pointwise ops, norms and consuming convolutions pass it on)
+SITE = "_dtshard_halo_site"
+#: attributes of a convolution's weight under the "auto" depth: its last widening's Site, and
+#: the depth its chain was seen to need
+LAST, CAP = "_dtshard_halo_last", "_dtshard_halo_cap"
+
+
+class Site:
+    """How far the rows one widening convolution fetched were used: ``width`` rows per side
+    fetched, ``used`` the most any later convolution of its chain consumed (``width`` minus its
+    output's halo).  The ``"auto"`` depth learns the chain's length from it (:func:`learn`).  All
+    of it is metadata, the same on every rank (every rank runs the same ops)."""
+
+    __slots__ = ("width", "used", "radius")
+
+    def __init__(self, width: int, radius: int):
+        self.width, self.used, self.radius = width, 0, radius
+
+    def consumed(self, out_halo) -> None:
+        left = min(min(h.lo, h.hi) for h in out_halo) if out_halo else 0
+        self.used = max(self.used, self.width - left)
+
+
+def learn(w) -> int | None:
+    """The depth cap of the convolution with weight ``w``: the most layers of its widenings'
+    rows its chains were seen to use (a chain that used every row may be longer; it is then
+    served at the depth seen, which the model chose).  Kept on the weight, so it holds for every
+    input shape of that layer (a larger input does not widen further than its chain needs)."""
+    last = w.__dict__.pop(LAST, None)
+    if last is not None and last.used > 0:
+        need = -(-last.used // last.radius)
+        w.__dict__[CAP] = max(need, w.__dict__.get(CAP, 0))
+    return w.__dict__.get(CAP)
+
+
 class HaloConv:
     """The halo part of a cached convolution plan (forward or backward)."""
 
-    __slots__ = ("dims", "grow", "need", "out_halo", "windows", "partial_out", "out_local_shape", "out_spec")
+    __slots__ = ("dims", "grow", "need", "out_halo", "windows", "partial_out", "out_local_shape", "out_spec",
+                 "depth", "learns", "replan", "capped")
 
     def __init__(self, **kw):
         for k, v in kw.items():
@@ -114,8 +151,9 @@ def _depth(x_spec, w_shape, groups, dims, coord) -> int:
 
 
 def forward_plan(x_spec, out_spec, modes, stride, padding, dilation, w_shape, groups, transposed, coord,
-                 targets_none: bool):
-    """The :class:`HaloConv` of a forward call, or None (the call runs as usual, without halos)."""
+                 targets_none: bool, cap: int | None = None):
+    """The :class:`HaloConv` of a forward call, or None (the call runs as usual, without halos).
+    ``cap``: the most layers a widening may serve (learned under ``"auto"``: see :class:`Site`)."""
     if not targets_none or x_spec.halo_partial:
         return None
     dims = _qualifies(modes, stride, padding, dilation, list(w_shape[2:]), transposed)
@@ -130,14 +168,37 @@ def forward_plan(x_spec, out_spec, modes, stride, padding, dilation, w_shape, gr
         if not any(p for _, _, p in dims):
             return None
         n = _depth(x_spec, w_shape, groups, dims, coord)
+        if cap is not None:
+            n = min(n, cap)
         if n < 2:
             return None
         grow = in_halo = tuple(Halo(d, i, n * p, n * p) for i, d, p in dims)
         out_halo = tuple(Halo(d, i, (n - 1) * p, (n - 1) * p) for i, d, p in dims)
     spec = out_spec.with_halo(out_halo)
+    args = (x_spec, out_spec, modes, stride, padding, dilation, w_shape, groups, transposed, coord, targets_none)
     return HaloConv(dims=dims, grow=tuple(h for h in grow if h.lo or h.hi) if grow else None, need=in_halo,
                     out_halo=out_halo, windows=_windows(x_spec.plain.with_halo(in_halo), in_halo, out_halo, dims, coord),
-                    partial_out=False, out_local_shape=L.ext_shape(spec, coord), out_spec=spec)
+                    partial_out=False, out_local_shape=L.ext_shape(spec, coord), out_spec=spec,
+                    depth=n if grow else None, learns=bool(grow) and L.get_halo_depth() == "auto",
+                    replan=lambda cap: forward_plan(*args, cap=cap), capped={})
+
+
+def widening_for(hp: HaloConv, w) -> tuple:
+    """``(the plan to run, its Site or None)`` of a widening convolution with weight ``w``: under
+    ``"auto"``, the plan capped at the depth this layer's chains were seen to need (None: a halo
+    does not pay here)."""
+    if not hp.learns:
+        return hp, None
+    cap = learn(w)
+    if cap is not None and cap < hp.depth:
+        if cap not in hp.capped:
+            hp.capped[cap] = hp.replan(cap)
+        hp = hp.capped[cap]
+        if hp is None:
+            return None, None
+    site = Site(min(min(h.lo, h.hi) for h in hp.grow), max(p for _, _, p in hp.dims))
+    w.__dict__[LAST] = site
+    return hp, site
 
 
 def backward_plan(g_spec, x_spec, modes, stride, padding, dilation, w_shape, transposed, coord, targets_none: bool,
@@ -162,4 +223,5 @@ def backward_plan(g_spec, x_spec, modes, stride, padding, dilation, w_shape, tra
         return None  # nothing carried a usable halo: the usual path
     return HaloConv(dims=dims, grow=None if local else tuple(h for h in need if h.lo or h.hi), need=need,
                     out_halo=g_halo, windows=_windows(x_spec.plain.with_halo(need), need, g_halo, dims, coord),
-                    partial_out=local, out_local_shape=L.ext_shape(x_spec.plain.with_halo(need), coord), out_spec=None)
+                    partial_out=local, out_local_shape=L.ext_shape(x_spec.plain.with_halo(need), coord), out_spec=None,
+                    depth=None, learns=False, replan=None, capped=None)

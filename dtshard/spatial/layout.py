@@ -104,17 +104,22 @@ def get_halo_depth():
 
 
 class model:
-    """Constants of the ``"auto"`` depth model, measured on the machine that runs
-    ``benchmarks/bench_conv.py --sections depth`` (2-core CPU, gloo; see benchmarks/README.md):
+    """Constants of the ``"auto"`` depth model, measured with ``python
+    benchmarks/bench_halo_chain.py --model`` (2-core CPU, gloo; see benchmarks/README.md):
 
-    ``latency_s``: one halo exchange's fixed cost (an all_to_all of a few rows, plus its packing
-    and the window's assembly); ``flops_per_s``: a convolution's local throughput.  Set them for
+    ``latency_s``: one halo exchange's fixed cost (an all_to_all of a row each way, plus its
+    packing and the window's assembly: 0.49 ms on 2 ranks, 2.3 ms on 4 ranks sharing 2 cores);
+    ``flops_per_s``: a 3x3 convolution's local throughput in training (5.2-9.0e10 FLOP/s on one
+    core).  Set them for
     another machine (a GPU with NCCL has a far higher throughput, so its depths come out deeper).
     """
 
-    latency_s: float = 4e-4
-    flops_per_s: float = 8e9
+    latency_s: float = 5e-4
+    flops_per_s: float = 5e10
     max_depth: int = 8
+    #: the most extra rows (both sides) the first layer of a chain may compute, as a fraction of
+    #: the shard's width: the bound on the extra compute and activation memory
+    max_extra: float = 0.25
 
 
 def auto_depth(row_flops: float, radius: int, width: int) -> int:
@@ -123,14 +128,16 @@ def auto_depth(row_flops: float, radius: int, width: int) -> int:
     One exchange per ``n`` layers costs ``latency / n`` per layer; growing the halo for ``n``
     layers of radius ``r`` computes ``r (n - 1)`` extra rows per layer on average (both sides),
     each ``row_flops / flops_per_s`` seconds.  The minimum of ``latency / n + r (n - 1) t_row`` is
-    at ``n = sqrt(latency / (r t_row))``; clamped to ``[1, max_depth]`` and to halos no wider than
-    half the shard (``width``), so the extra compute stays a fraction of the work.  Inputs are
-    global metadata (the same on every rank)."""
+    at ``n = sqrt(latency / (r t_row))``; clamped to ``[1, max_depth]`` and so that the widest
+    layer's extra rows ``2 r (n - 1)`` stay within ``max_extra`` of the shard's ``width`` (extra
+    compute and activation memory).  A convolution then learns how many layers its chain really
+    has (``spatial.conv.learn``) and fetches no more.  Inputs are global metadata (the same on
+    every rank)."""
     if radius <= 0 or row_flops <= 0:
         return 1
     t_row = row_flops / model.flops_per_s
     n = int(round(math.sqrt(model.latency_s / (radius * t_row))))
-    n = min(n, model.max_depth, max(1, width // (2 * radius)))
+    n = min(n, model.max_depth, 1 + int(model.max_extra * width) // (2 * radius))
     return max(1, n)
 
 

@@ -37,6 +37,7 @@ LINEAR[aten.mul_.Tensor] = (0, 1)
 _COPIES = {aten.detach.default, aten.alias.default, aten.clone.default, aten._to_copy.default}
 
 _STRIP = "strip"
+_SITE = "_dtshard_halo_site"  # spatial.conv.SITE
 _decisions: dict = {}
 
 
@@ -107,6 +108,12 @@ def dispatch_halo(op, args: tuple, kwargs: dict):
     res = DT(out, dec.out_spec, requires_grad=False)
     if dec.plan.is_view and dts[0]._copied_view is not None:
         res._copied_view = dts[0]._copied_view
+    if not dec.out_spec.halo_partial:  # the widening that fetched these rows (its depth learns)
+        for d in dts:
+            site = d.__dict__.get(_SITE)
+            if site is not None:
+                res.__dict__[_SITE] = site
+                break
     return res
 
 

@@ -170,6 +170,36 @@ def test_branches_partial_sums_and_halo_free_ops(world):
         assert err < 1e-11, err
 
 
+def _auto_learns(_=None):
+    """Under "auto" the model asks for 8 layers of halo on this latency-bound chain of 4 (local
+    width 64); the first step's widening learns that its chain used 4, and later steps fetch 4."""
+    import copy
+
+    m = mesh((2,))
+    ref = _chain()
+    torch.manual_seed(1)
+    x = torch.randn(2, 4, 64, 6, dtype=torch.float64)
+    out = []
+    model = _distribute(copy.deepcopy(ref), m)
+    for step in range(3):
+        for p in model.parameters():
+            p.grad = None
+        for q in ref.parameters():
+            q.grad = None
+        out.append(_run(m, model, ref, x, [Shard(2)], "auto")[:3])
+    d4 = _run(m, _distribute(copy.deepcopy(ref), m), ref, x, [Shard(2)], 4)[2]
+    return out, d4
+
+
+def test_auto_depth_learns_the_chain_length():
+    for steps, rows4 in run_distributed(_auto_learns, 2, timeout=300):
+        (e0, a0, rows0), (e1, a1, rows1), (e2, a2, rows2) = steps
+        assert max(e0, e1, e2) < 1e-11
+        assert tuple(a0) == tuple(a1) == tuple(a2) == (1, 1)
+        assert sum(r[2] for r in rows0) > sum(r[2] for r in rows4)  # 8 layers' rows the first time
+        assert rows1 == rows2 == rows4  # then the 4 the chain needs
+
+
 def _api(_=None):
     m = mesh((2,))
     x = dtshard.distribute_tensor(torch.arange(2.0 * 10 * 3, dtype=torch.float64).reshape(1, 2, 10, 3), m, [Shard(2)])
@@ -268,8 +298,10 @@ def test_auto_depth_model():
     small = L.auto_depth(row_flops=1e3, radius=1, width=64)
     big = L.auto_depth(row_flops=1e9, radius=1, width=64)
     assert small == L.model.max_depth and big == 1
-    assert L.auto_depth(row_flops=1e3, radius=1, width=4) == 2  # at most half the shard
-    assert L.auto_depth(row_flops=1e3, radius=2, width=6) == 1
+    # the first layer's extra rows 2 r (n - 1) within a quarter of the shard
+    assert L.auto_depth(row_flops=1e3, radius=1, width=8) == 2
+    assert L.auto_depth(row_flops=1e3, radius=1, width=16) == 3
+    assert L.auto_depth(row_flops=1e3, radius=2, width=8) == 1
 
 
 def test_halo_depth_policy():
