@@ -379,6 +379,9 @@ def convolution_handler(op, args, kwargs):
     binding, mode table or window arithmetic per call."""
     plan, bound = _cached_plan(_conv_plans_cache, _conv_key(args, kwargs), _plan_convolution, op, args, kwargs)
     x, w, bias, _, _, _, transposed, output_padding, groups = bound
+    if x._spec.halo and x.__dict__.get("_dtshard_halo_v") != x._version:
+        SL.fresh(x)  # written in place since: its halo is dropped (so a new plan key)
+        return convolution_handler(op, args, kwargs)
     if plan.halo is not None:
         out = _halo_forward(op, x, w, bias, plan, output_padding, groups)
         if out is not None:
@@ -654,6 +657,9 @@ def convolution_backward_handler(op, args, kwargs):
                                op, args, kwargs)
     g, x, w = bound[0], bound[1], bound[2]
     transposed, groups = bound[7], bound[9]
+    if any(t._spec.halo and t.__dict__.get("_dtshard_halo_v") != t._version for t in (g, x)):
+        SL.fresh(g), SL.fresh(x)  # written in place since: their halos are dropped (a new plan key)
+        return convolution_backward_handler(op, args, kwargs)
     if plan.halo is not None:
         return _halo_backward(op, g, x, w, plan.halo, plan, transposed, groups)
     if plan.halo_kept is not None and HC.KEPT in x.__dict__:  # its forward widened x for several layers

@@ -252,6 +252,7 @@ def group_norm_handler(op, args, kwargs):
     x, weight, bias, n, c, hxw, group, eps = bind(op, args, kwargs)
     check_dtensors(op, [t for t in (x, weight, bias) if t is not None])
     weight, bias = (None if t is None else SL.strip(t) for t in (weight, bias))
+    SL.fresh(x)
     try:  # plain PyTorch's error for bad global shapes, with the context
         gout, gmean, grstd = meta_run(op, x, weight, bias, n, c, hxw, group, eps)
     except Exception as e:
@@ -311,6 +312,7 @@ def group_norm_backward_handler(op, args, kwargs):
     g, x, mean, rstd, weight, n, c, hxw, group, mask = bind(op, args, kwargs)
     check_dtensors(op, [t for t in (g, x, mean, rstd, weight) if t is not None])
     mean, rstd, weight = (None if t is None else SL.strip(t) for t in (mean, rstd, weight))
+    SL.fresh(g), SL.fresh(x)
     try:
         g_in, g_w, g_b = meta_run(op, g, x, mean, rstd, weight, n, c, hxw, group, mask)
     except Exception as e:
@@ -507,6 +509,13 @@ def _bn_halo_backward(g, x, w, smean, sinv, mask):
     return gi, gw, gb
 
 
+def _bn_fresh(t) -> None:
+    from dtshard.spatial import layout as SL
+
+    if isinstance(t, _dt()):
+        SL.fresh(t)
+
+
 def _bn_strip(t):
     from dtshard.spatial import layout as SL
 
@@ -523,6 +532,7 @@ def batch_norm_handler(op, args, kwargs):
     with torch.no_grad():
         names = ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps")
         x, w, b, rm, rv, training, momentum, eps = (list(args) + [kwargs.get(k) for k in names][len(args):])[:8]
+        _bn_fresh(x)
         if training and _bn_halo(x):
             return _bn_halo_forward(x, w, b, rm, rv, momentum, eps)
         x = _bn_strip(x)
@@ -546,6 +556,7 @@ def batch_norm_no_stats_handler(op, args, kwargs):
     with torch.no_grad():
         x, w, b, training, momentum, eps = (list(args) + [kwargs.get(k) for k in (
             "input", "weight", "bias", "training", "momentum", "eps")][len(args):])[:6]
+        _bn_fresh(x)
         if _bn_halo(x):
             return _bn_halo_forward(x, w, b, None, None, momentum, eps)
         x = _bn_strip(x)
@@ -562,6 +573,7 @@ def batch_norm_backward_handler(op, args, kwargs):
         names = ("grad_out", "input", "weight", "running_mean", "running_var", "save_mean", "save_invstd",
                  "train", "eps", "output_mask")
         g, x, w, rm, rv, smean, sinv, train, eps, mask = (list(args) + [kwargs.get(k) for k in names][len(args):])[:10]
+        _bn_fresh(g), _bn_fresh(x)
         if isinstance(g, _dt()) and g._spec.halo and not g._spec.halo_partial:
             g = SL.strip(g)
         if (train and isinstance(g, _dt()) and g._spec.halo and _bn_halo(x) and tuple(g.placements) == tuple(x.placements)

@@ -60,6 +60,7 @@ __all__ = [
     "plain_local",
     "strip",
     "demote_",
+    "fresh",
     "model",
 ]
 
@@ -278,6 +279,23 @@ def demote_(dt) -> None:
         local = plain_local(dt)
         dt._local_tensor = local
         dt._spec = dt._spec.plain
+
+
+_V = "_dtshard_halo_v"
+
+
+def fresh(dt) -> None:
+    """Drop ``dt``'s halo in place when an op wrote into ``dt`` (or into a tensor it aliases,
+    which shares its version counter) since the halo was made: the owned rows are then current
+    but the neighbours' copies may not be.  Every op that reads halo rows calls this first."""
+    if dt._spec.halo and dt.__dict__.get(_V) != dt._version:
+        demote_(dt)
+
+
+def written(dt) -> None:
+    """``dt``'s halo rows were just written consistently with its owned rows (an in-place op
+    that computes on them): valid after the version bump the write makes."""
+    dt.__dict__[_V] = dt._version + 1
 
 
 def grow_local(local: torch.Tensor, spec: DTensorSpec, halo_to: Sequence[Halo], coord, *, keep: bool = False):

@@ -64,6 +64,9 @@ def dispatch_halo(op, args: tuple, kwargs: dict):
     from dtshard import dispatch as D
 
     DT = D._DT
+    for a in args:  # a halo that an in-place write left behind is dropped first
+        if isinstance(a, DT) and a._spec.halo:
+            L.fresh(a)
     dts: list = []
     key: list = [id(op)]
     try:
@@ -101,6 +104,7 @@ def dispatch_halo(op, args: tuple, kwargs: dict):
     lkwargs = {k: D._local(v, locals_) for k, v in mkwargs.items()}
     out = dec.plan.local_op(*largs, **lkwargs)
     if dec.inplace:
+        L.written(args[0])
         return args[0]
     want = L.ext_shape(dec.out_spec, coord)
     if tuple(out.shape) != want:  # never return a mislabelled shard
@@ -133,6 +137,8 @@ def stripped(op, args: tuple, kwargs: dict, handler=None):
     written_names = {names[k] for k in written}
 
     def plain(a, write):
+        if isinstance(a, DT) and a._spec.halo:
+            L.fresh(a)
         if isinstance(a, DT) and a._spec.halo:
             if write or a._spec.halo_partial:
                 L.demote_(a)

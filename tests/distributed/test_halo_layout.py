@@ -228,6 +228,34 @@ def _api(_=None):
     return out
 
 
+def _stale(_=None):
+    """An in-place write into a tensor with a halo, or into an alias of it, leaves the
+    neighbours' copies stale: the next op that reads halo rows drops them first."""
+    m = mesh((2,))
+    g = torch.Generator().manual_seed(0)
+    x = dtshard.distribute_tensor(torch.randn(1, 2, 12, 3, generator=g, dtype=torch.float64), m, [Shard(2)])
+    w = dtshard.distribute_tensor(torch.randn(2, 2, 3, 3, generator=g, dtype=torch.float64), m, [Replicate()])
+    errs = []
+    for write in ("aware", "other"):
+        with dtshard.spatial.halo_depth(3):
+            y = F.conv2d(x, w, padding=1)
+            alias = y.detach()
+            if write == "aware":
+                y.mul_(2.0)  # computes on the halo rows too
+            else:
+                y.copy_(x * 3.0)  # from a plain shard: y drops its halo, writes its owned rows
+            full = y.full_tensor()
+            for t in (y, alias):
+                z = F.conv2d(t, w, padding=1)
+                errs.append((z.full_tensor() - F.conv2d(full, w.full_tensor(), padding=1)).abs().max().item())
+    return errs
+
+
+def test_in_place_writes_never_leave_stale_halo_rows():
+    for errs in run_distributed(_stale, 2):
+        assert max(errs) < 1e-12, errs
+
+
 def test_halo_api_and_ops_that_drop_it():
     r0, r1 = run_distributed(_api, 2)
     for r in (r0, r1):
