@@ -458,7 +458,7 @@ def _compile_unet(device: str, backend: str) -> list[dict]:
 
     import dtshard
     from dtshard import Replicate, Shard
-    from dtshard.halo import mesh_id
+    from dtshard.spatial.halo import mesh_id
     from dtshard.models import unet, unet_params, unet_stats
 
     _init_world_of_one("nccl" if device == "cuda" else "gloo")
@@ -466,7 +466,7 @@ def _compile_unet(device: str, backend: str) -> list[dict]:
     torch._dynamo.reset()
     counters.clear()
     mesh = dtshard.init_device_mesh(device, (1,))
-    mesh_id(mesh)  # register the mesh outside the traced code (see dtshard/halo.py)
+    mesh_id(mesh)  # register the mesh outside the traced code (see dtshard/spatial/halo.py)
     g = torch.Generator().manual_seed(1)
     h, w, up, lr = 16, 12, "x2", 0.05
     x_full = torch.randn(2, 3, h, w, generator=g).to(device)

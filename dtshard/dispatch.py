@@ -49,32 +49,47 @@ def _dispatch_halo(op, args, kwargs):
     return dispatch_halo(op, args, kwargs)
 
 
-def _without_halos(handler):
-    """``handler`` behind a guard: DTensor arguments that carry a halo (:mod:`dtshard.spatial`)
-    are handed to it without (a handler that knows halos registers with ``keeps_halo=True``)."""
+def _guarded(handler, keeps_strided: bool, keeps_halo: bool):
+    """``handler`` behind ONE pass over its arguments (this runs before every handler call):
+    on a rank outside the arguments' mesh the op is a no-op (:func:`_non_member`); DTensors that
+    hold strided shards reach it as plain ``Shard`` layouts (:func:`_plain_layouts`) unless it
+    ``keeps_strided``; DTensors that carry a halo (:mod:`dtshard.spatial`) reach it without,
+    unless it ``keeps_halo``.  Everything else calls it straight away."""
+    plain = handler if keeps_strided else _plain_layouts(handler)
 
     def guarded(op, args, kwargs):
         DT = _DT
-        if not _any_halo(args, kwargs, DT):
-            return handler(op, args, kwargs)
-        from dtshard.spatial.pointwise import stripped
+        first, strided, halo = True, False, False
+        for a in itertools.chain(args, kwargs.values()) if kwargs else args:
+            if isinstance(a, DT):
+                s = a._spec
+                if first:
+                    if not _member(s.mesh):
+                        return _dispatch_general(op, args, kwargs)
+                    first = False
+                if s.halo:
+                    halo = True
+                elif s.has_strided:
+                    strided = True
+            elif type(a) is list or type(a) is tuple:
+                for x in a:
+                    if isinstance(x, DT):
+                        if first:
+                            if not _member(x._spec.mesh):
+                                return _dispatch_general(op, args, kwargs)
+                            first = False
+                        halo = halo or bool(x._spec.halo)
+                        strided = strided or x._spec.has_strided
+        if halo and not keeps_halo:
+            from dtshard.spatial.pointwise import stripped
 
-        return stripped(op, args, kwargs, handler)
+            return stripped(op, args, kwargs, plain)
+        if strided and not keeps_strided:
+            return plain(op, args, kwargs)
+        return handler(op, args, kwargs)
 
     guarded.__wrapped__ = handler
     return guarded
-
-
-def _any_halo(args, kwargs, DT) -> bool:
-    for a in itertools.chain(args, kwargs.values()):
-        if isinstance(a, DT):
-            if a._spec.halo:
-                return True
-        elif type(a) is list or type(a) is tuple:
-            for x in a:
-                if isinstance(x, DT) and x._spec.halo:
-                    return True
-    return False
 
 
 def _plain_layouts(handler):
@@ -120,23 +135,6 @@ def _plain_layouts(handler):
             return back_map.get(id(o), o)
 
         return restore(out)
-
-    guarded.__wrapped__ = handler
-    return guarded
-
-
-def _members_only(handler):
-    """``handler`` on this rank's DTensors only when the rank is part of their mesh; on a rank
-    outside it the op is a no-op with PyTorch's default results (:func:`_non_member`)."""
-
-    def guarded(op, args, kwargs):
-        DT = _DT
-        for a in args:
-            if isinstance(a, DT):
-                if not _member(a._spec.mesh):
-                    return _dispatch_general(op, args, kwargs)
-                break
-        return handler(op, args, kwargs)
 
     guarded.__wrapped__ = handler
     return guarded
@@ -239,14 +237,10 @@ def clear_cache(*, plans: bool = True) -> None:
 
 def _reload_handlers() -> None:
     _handlers.clear()
-    def guard(op, fn):
-        if op in registry._entries and op not in registry.strided_handlers:
-            fn = _plain_layouts(fn)
-        if op not in registry.halo_handlers:
-            fn = _without_halos(fn)
-        return _members_only(fn)
-
-    _handlers.update({id(op): guard(op, fn) for op, fn in registry.handlers.items()})
+    _handlers.update({
+        id(op): _guarded(fn, op in registry.strided_handlers or op not in registry._entries,
+                         op in registry.halo_handlers)
+        for op, fn in registry.handlers.items()})
 
 
 def _registry_changed(*, plans: bool = True) -> None:

@@ -5,10 +5,12 @@ To add a rule see CONTRIBUTING.md: pick the family file, write a function of an 
 ``@register_rule(aten.op.overload)``.
 """
 
+# the windowed-op family (halo exchange, convolution, pooling, interpolation) lives in
+# dtshard/spatial/; it registers its rules and handlers here, in this order, like the others
+from dtshard.spatial import adaptive_pool  # noqa: F401,I001  (before misc: it has the real rules)
+from dtshard.rules import attention  # noqa: F401
+from dtshard.spatial import conv, pool  # noqa: F401  (spatial sharding through halo exchange)
 from dtshard.rules import (  # noqa: F401  (imported for their registrations)
-    adaptive_pool,  # adaptive average pooling on spatial shards (before misc: it has the real rules)
-    attention,
-    conv, pool,  # spatial sharding through halo exchange (dtshard/halo.py)
     embedding,
     foreach,
     indexing,
@@ -20,7 +22,7 @@ from dtshard.rules import (  # noqa: F401  (imported for their registrations)
     random,
     reduction,
     tensor_ops,
-    upsample,  # interpolation and reflect/replicate padding on spatial shards
-    view,
 )
+from dtshard.spatial import upsample  # noqa: F401  (interpolation, reflect/replicate padding on spatial shards)
+from dtshard.rules import view  # noqa: F401
 from dtshard.rules import misc  # noqa: F401,E402  (last: replicate-only fallbacks where no family has a rule)

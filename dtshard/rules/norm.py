@@ -173,7 +173,7 @@ def _wrap(local, mesh, placements, shape):
 def _gn_layout(spec, group: int):
     """(x targets, statistics targets, per-channel (C,) targets, placements of the local (N, G)
     sums, placements of the local (C,) weight/bias gradients) for group norm of an x with ``spec``."""
-    from dtshard.rules.adaptive_pool import blocks_align
+    from dtshard.spatial.adaptive_pool import blocks_align
 
     c = spec.shape[1] if spec.ndim > 1 else 1
     channel_dims = [i for i, p in enumerate(spec.placements) if isinstance(p, Shard) and p.dim == 1]
@@ -210,7 +210,7 @@ def _gn_reduce(local, mesh, sums, stat_t, shape, dtype):
     """Local (N, G[, k]) sums with placements ``sums`` reduced to ``stat_t`` (Partial -> Replicate:
     one all_reduce over the spatial mesh dims; nothing when none is sharded)."""
     from dtshard.redistribute import redistribute_local
-    from dtshard.rules.conv import make_spec
+    from dtshard.spatial.conv import make_spec
 
     return redistribute_local(local, make_spec(mesh, sums, shape, dtype), stat_t)
 
@@ -226,9 +226,9 @@ def _gn_halo(x, x_t, weight, bias) -> bool:
 
 def _with_halo_of(local, spec, x):
     """``local`` wrapped with ``spec`` plus ``x``'s halo (and the record of where it came from:
-    spatial.conv.SITE)."""
-    from dtshard.rules.conv import wrap
-    from dtshard.spatial.conv import SITE
+    spatial.conv_halo.SITE)."""
+    from dtshard.spatial.conv import wrap
+    from dtshard.spatial.conv_halo import SITE
 
     res = wrap(local, spec.with_halo(x._spec.halo))
     site = x.__dict__.get(SITE)
@@ -246,7 +246,7 @@ def _owned(t, spec, coord):
 
 @register_handler(aten.native_group_norm.default, keeps_halo=True)
 def group_norm_handler(op, args, kwargs):
-    from dtshard.rules.conv import bind, check_dtensors, make_spec, meta_run, op_context, to_local, wrap
+    from dtshard.spatial.conv import bind, check_dtensors, make_spec, meta_run, op_context, to_local, wrap
     from dtshard.spatial import layout as SL
 
     x, weight, bias, n, c, hxw, group, eps = bind(op, args, kwargs)
@@ -306,7 +306,7 @@ def group_norm_backward_handler(op, args, kwargs):
     its rows.  The group sums run over every row ``g`` carries (each rank's contributions add up
     to the true sums); the input gradient's terms that do not scale ``g`` go on the owned rows
     only, so the result is a partial halo of ``g``'s widths."""
-    from dtshard.rules.conv import bind, check_dtensors, make_spec, meta_run, op_context, to_local, wrap
+    from dtshard.spatial.conv import bind, check_dtensors, make_spec, meta_run, op_context, to_local, wrap
     from dtshard.spatial import layout as SL
 
     g, x, mean, rstd, weight, n, c, hxw, group, mask = bind(op, args, kwargs)
@@ -468,7 +468,7 @@ def _bn_halo_forward(x, weight, bias, running_mean, running_var, momentum, eps):
         if buf is not None:
             upd = _local(_rep(buf)) * (1 - momentum) + new.to(buf.dtype) * momentum
             aten.copy_.default(buf, _to(_wrap(upd, mesh, rep, (c,)), buf.placements))
-    from dtshard.rules.conv import make_spec
+    from dtshard.spatial.conv import make_spec
 
     out = _with_halo_of(y.to(x.dtype), make_spec(mesh, x.placements, x.shape, x.dtype), x)
     return out, _wrap(mean.to(x.dtype), mesh, rep, (c,)), _wrap(invstd.to(x.dtype), mesh, rep, (c,))
@@ -477,7 +477,7 @@ def _bn_halo_forward(x, weight, bias, running_mean, running_var, momentum, eps):
 def _bn_halo_backward(g, x, w, smean, sinv, mask):
     """Backward of :func:`_bn_halo_forward` (as group norm's: sums over every row the partial
     gradient carries, the terms that do not scale it on the owned rows only)."""
-    from dtshard.rules.conv import make_spec, wrap
+    from dtshard.spatial.conv import make_spec, wrap
     from dtshard.spatial import layout as SL
 
     mesh = x.device_mesh

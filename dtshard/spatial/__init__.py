@@ -8,6 +8,11 @@ fetches enough rows for :func:`halo_depth` layers.  So a chain of L 3x3 convolut
 and activations between them exchanges once per side in forward (and once in backward) instead
 of L times, for ``r (L - 1) / w`` extra compute (``w`` the local width).
 
+The package holds the whole windowed-op family: ``halo.py`` (the window arithmetic of HALO.md
+and the exchange), the handlers and rules of convolution (``conv.py``), pooling (``pool.py``,
+``adaptive_pool.py``) and interpolation and padding (``upsample.py``), and the halo layout
+(``layout.py``, ``pointwise.py``, ``conv_halo.py``).
+
 Public API:
 
 - :class:`halo_depth` (``with dtshard.spatial.halo_depth(4): ...``) and :func:`get_halo_depth`:

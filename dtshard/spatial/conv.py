@@ -1,227 +1,915 @@
-"""Convolutions on halo layouts (see layout.py): the planning and the local window of each call.
+"""Convolution (and ``constant_pad_nd``) over DTensors, including spatially sharded inputs.
 
-A convolution qualifies when every mesh dim shards the batch, shards a spatial dim or
-replicates, the weight and bias are replicated, and every sharded spatial dim has stride 1 and
-"same" padding ``p = d (k - 1) / 2`` (so the output has the input's length and chunk layout).
-Per sharded dim, with nominal widths:
+``aten.convolution`` and ``aten.convolution_backward`` are handlers, because a spatially sharded
+input needs a halo exchange (:mod:`dtshard.spatial.halo`, arithmetic in HALO.md), not only a
+placement choice.  The handler picks, for each mesh dim, one *mode* from the placements of the
+input ``x`` and the weight ``w``, redistributes the tensors to what that mode needs, runs the
+local op and wraps the result:
 
-* forward, input halo ``(lo, hi)`` with ``lo, hi >= p``: the output carries ``(lo - p, hi - p)``;
-  no communication (a 1x1 convolution, ``p = 0``, keeps the halo as it is);
-* forward, a narrower input halo and a depth ``n >= 2`` (:func:`layout.halo_depth`): ONE
-  exchange widens the plain input to ``n p`` and the output carries ``(n - 1) p``;
-* backward, output gradient with a partial halo ``(a, b)`` (``(0, 0)``: a plain shard): the
-  input gradient is computed on the input rows ``(a + p, b + p)`` around the shard.  When the
-  input carries at least that halo, the result is a partial halo of those widths (no
-  communication); otherwise the input is plain (the chain's first convolution): its window comes
-  from what the forward's exchange received (kept on the input) or from an exchange, and the
-  gradient's halo is sent back to its owners once (``halo.accumulate``).
+==========  =====================  ======  =====  =====  =======  ======  ======  ======  ======
+mode        when (x, w)            x       w      bias   out      g_out   g_in    g_w     g_b
+==========  =====================  ======  =====  =====  =======  ======  ======  ======  ======
+batch       x S(0)                 S(0)    R      R      S(0)     S(0)    S(0)    P       P
+spatial     x S(d), d >= 2         S(d)    R      R      S(d)*    S(d)*   S(d)    P       P
+inch        x S(1) or w S(1), g=1  S(1)    S(1)   P      P        R       S(1)    S(1)    R
+xpartial    x P(sum)               P       R      P      P        R       R       P       R
+outch       x R, w S(0), g=1       R       S(0)   S(0)   S(1)     S(1)    P       S(0)    S(0)
+wpartial    x R, w P(sum)          R       P      P      P        R       P       R       R
+rep         anything else          R       R      R      R        R       R       R       R
+==========  =====================  ======  =====  =====  =======  ======  ======  ======  ======
 
-Every rank computes its local window from metadata alone: the extended ranges of layout.py, zero
-padding only at the global edges.
+(``P`` is ``Partial("sum")``; ``*``: the chunk layout of the OUTPUT length.)  A bias that must be
+``P`` is zero on every rank but the first of the group (an exact R -> P).  Transposed convolutions
+use batch / spatial / xpartial / rep.  A spatial dim sharded by two mesh dims keeps the outer one and
+replicates the inner.  Mixed layouts (batch on mesh dim 0 and H on mesh dim 1, H and W on a 2-D
+mesh, channels and H, ...) combine per mesh dim.
+
+Spatial mode, forward: for each spatially sharded dim in mesh-dim order the rank exchanges halos
+(``halo.exchange``: it receives exactly the window ``[lo, hi)`` its output chunk ``[a, b)`` reads,
+zero-padded only at the global edges), then runs the local convolution with padding 0 on the
+sharded dims (the original padding elsewhere), which yields exactly ``b - a`` outputs per dim.
+Backward uses HALO.md scheme (A): the input window is rebuilt (only when ``grad_weight`` needs
+it), the local ``convolution_backward`` gives the gradient of the window, and ``halo.accumulate``
+(in reverse mesh-dim order) sends the halo parts back to their owners, who add them.  grad_weight
+and grad_bias are Partial(sum) over the spatial (and batch) mesh dims: each output position is
+computed by exactly one rank, so the local contributions sum to the full gradient.
+
+Transposed convolution, spatial mode: input ``i`` reaches outputs ``i*s - p + t*d``, so output
+chunk ``[a, b)`` reads inputs ``ceil((a + p - d(k-1)) / s) .. floor((b - 1 + p) / s)`` (clipped to the
+input; :func:`_tconv_window`, exchanged with ``halo.range_plan``).  The local transposed convolution
+of that window (padding and output_padding 0 on the sharded dims) starts at global output
+``lo*s - p``; ``constant_pad_nd`` fits it to ``[a, b)`` (zeros where no input reaches, crops the
+rest), then the bias is added.  Backward: the negated pads un-fit the output gradient, the local
+``convolution_backward`` gives the window's gradient (accumulated to the owners as above),
+grad_bias is the sum of the rank's output-gradient chunk (Partial).  With k = s (UNet's k2 s2
+up-convolution) and even chunks every window is the rank's own shard: nothing moves.
+
+``padding='same'`` with an even kernel arrives as ``constant_pad_nd`` (asymmetric, one extra
+element on the right) followed by a symmetric convolution; its handler here shifts a sharded dim
+with the same window exchange (kernel 1, stride 1, left padding = the pad), so the padded tensor
+keeps ``Shard(d)`` in the chunk layout of the new length.
 """
 
 from __future__ import annotations
 
-import math
+from typing import Sequence
 
-import dtshard_kernels as K
 import torch
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-from dtshard.spec import Halo
-from dtshard.spatial import layout as L
+from dtshard import _trace
+from dtshard.spatial import halo
+from dtshard import collectives as C
+from dtshard.spatial import conv_halo as HC
+from dtshard.spatial import layout as SL
+from dtshard.redistribute import redistribute_local
+from dtshard.registry import register_handler
+from dtshard.spec import DTensorSpec, chunk_range, contiguous_strides
 
-__all__ = ["forward_plan", "backward_plan", "widening_for", "window", "KEPT", "SITE", "Site"]
+aten = torch.ops.aten
 
-#: attribute of a plain convolution input whose forward widened it: ``(its version, the halo it
-#: was widened to, what each exchange received)``; the backward rebuilds the window from it
-KEPT = "_dtshard_halo_kept"
+__all__ = ["convolution_handler", "convolution_backward_handler", "constant_pad_nd_handler"]
 
-
-#: attribute of a DTensor whose halo a widening convolution fetched: that widening's
-#: :class:`Site` (pointwise ops, norms and consuming convolutions pass it on)
-SITE = "_dtshard_halo_site"
-#: attributes of a convolution's weight under the "auto" depth: its last widening's Site, and
-#: the depth its chain was seen to need
-LAST, CAP = "_dtshard_halo_last", "_dtshard_halo_cap"
-
-
-class Site:
-    """How far the rows one widening convolution fetched were used: ``width`` rows per side
-    fetched, ``used`` the most any later convolution of its chain consumed (``width`` minus its
-    output's halo).  The ``"auto"`` depth learns the chain's length from it (:func:`learn`).  All
-    of it is metadata, the same on every rank (every rank runs the same ops)."""
-
-    __slots__ = ("width", "used", "radius")
-
-    def __init__(self, width: int, radius: int):
-        self.width, self.used, self.radius = width, 0, radius
-
-    def consumed(self, out_halo) -> None:
-        left = min(min(h.lo, h.hi) for h in out_halo) if out_halo else 0
-        self.used = max(self.used, self.width - left)
+R = Replicate()
+PSUM = Partial("sum")
 
 
-def learn(w) -> int | None:
-    """The depth cap of the convolution with weight ``w``: the most layers of its widenings'
-    rows its chains were seen to use (a chain that used every row may be longer; it is then
-    served at the depth seen, which the model chose).  Kept on the weight, so it holds for every
-    input shape of that layer (a larger input does not widen further than its chain needs)."""
-    last = w.__dict__.pop(LAST, None)
-    if last is not None and last.used > 0:
-        need = -(-last.used // last.radius)
-        w.__dict__[CAP] = max(need, w.__dict__.get(CAP, 0))
-    return w.__dict__.get(CAP)
+# ---------------------------------------------------------------------------------------------
+# helpers shared with pool.py
+# ---------------------------------------------------------------------------------------------
 
 
-class HaloConv:
-    """The halo part of a cached convolution plan (forward or backward)."""
+def bind(op, args: Sequence, kwargs: dict) -> list:
+    """All arguments of ``op`` in schema order (defaults filled in)."""
+    out = []
+    for k, a in enumerate(op._schema.arguments):
+        if k < len(args):
+            out.append(args[k])
+        elif a.name in kwargs:
+            out.append(kwargs[a.name])
+        elif a.has_default_value():
+            out.append(a.default_value)
+        else:
+            raise TypeError(f"{op}: missing argument {a.name!r}")
+    return out
 
-    __slots__ = ("dims", "grow", "need", "out_halo", "windows", "partial_out", "out_local_shape", "out_spec",
-                 "depth", "learns", "replan", "capped")
+
+def make_spec(mesh, placements, shape, dtype) -> DTensorSpec:
+    shape = tuple(int(s) for s in shape)
+    return DTensorSpec(mesh, tuple(placements), shape, contiguous_strides(shape), dtype)
+
+
+def expand_list(v, n: int) -> list[int]:
+    """An int or a 1-element list broadcast to ``n`` ints (aten allows both)."""
+    if isinstance(v, int):
+        return [v] * n
+    v = [int(x) for x in v]
+    return v * n if len(v) == 1 else v
+
+
+def check_dtensors(op, tensors: Sequence) -> None:
+    """Plain (non-0-d) tensors mixed with DTensors: the dispatcher's clear error."""
+    from dtshard.dispatch import _mixed_error
+    from dtshard.tensor import DTensor
+
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
+            raise _mixed_error(op, t)
+
+
+def to_local(dt, target: Sequence[Placement]) -> torch.Tensor:
+    """``dt``'s local tensor redistributed to ``target`` (below autograd: no graph)."""
+    target = tuple(target)
+    if target == dt._spec.placements:
+        return dt._local_tensor
+    return redistribute_local(dt._local_tensor, dt._spec, target)
+
+
+def wrap(local: torch.Tensor, spec: DTensorSpec):
+    from dtshard.tensor import DTensor
+
+    return DTensor(local, spec, requires_grad=False)
+
+
+class op_context:
+    """Attribute collectives issued inside a handler to ``op`` (CommCounter's per-op view)."""
+
+    _names: dict = {}
+
+    def __init__(self, op) -> None:
+        name = self._names.get(op)
+        if name is None:
+            name = self._names[op] = str(op)
+        self.name = name
+
+    def __enter__(self):
+        self.prev = _trace.current_op[0]
+        _trace.current_op[0] = self.name
+
+    def __exit__(self, *exc):
+        _trace.current_op[0] = self.prev
+        return False
+
+
+_meta_cache: dict = {}
+
+
+def _meta_key(a):
+    if isinstance(a, torch.Tensor):
+        return ("T", tuple(a.shape), a.dtype)
+    if isinstance(a, (list, tuple)):
+        return tuple(_meta_key(b) for b in a)
+    return a
+
+
+def meta_run(op, *args, **kwargs):
+    """Run ``op`` on meta tensors (DTensors replaced by meta tensors of their global shape): the
+    global output metadata, and the error plain PyTorch would raise.  Cached per (op, shapes,
+    dtypes, non-tensor args), so a handler's hot path skips it."""
+    from dtshard.tensor import DTensor
+
+    key = (op, _meta_key(args), _meta_key(tuple(sorted(kwargs.items()))))
+    hit = _meta_cache.get(key)
+    if hit is not None:
+        return hit
+
+    def conv(a):
+        if isinstance(a, DTensor):
+            return torch.empty(a.shape, dtype=a.dtype, device="meta")
+        if isinstance(a, torch.Tensor):
+            return a.to("meta")
+        if isinstance(a, (list, tuple)):
+            return type(a)(conv(b) for b in a)
+        return a
+
+    out = op(*[conv(a) for a in args], **{k: conv(v) for k, v in kwargs.items()})
+    if len(_meta_cache) > 4096:
+        _meta_cache.clear()
+    _meta_cache[key] = out
+    return out
+
+
+def spatial_shards(placements: Sequence[Placement], first_spatial: int, ndim: int) -> dict[int, int]:
+    """``{mesh dim: tensor dim}`` of the mesh dims that shard a spatial dim (``>= first_spatial``),
+    keeping only the OUTERMOST mesh dim per tensor dim (inner ones get replicated)."""
+    out: dict[int, int] = {}
+    seen: set[int] = set()
+    for i, p in enumerate(placements):
+        if isinstance(p, Shard) and first_spatial <= p.dim < ndim and p.dim not in seen:
+            seen.add(p.dim)
+            out[i] = p.dim
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# modes
+# ---------------------------------------------------------------------------------------------
+
+# mode -> (x, w, bias, out, g_out, g_in, g_w, g_b); "S" marks the spatial Shard(d) of that mesh dim
+_TABLE = {
+    "batch": (Shard(0), R, R, Shard(0), Shard(0), Shard(0), PSUM, PSUM),
+    "spatial": ("S", R, R, "S", "S", "S", PSUM, PSUM),
+    "inch": (Shard(1), Shard(1), PSUM, PSUM, R, Shard(1), Shard(1), R),
+    "xpartial": (PSUM, R, PSUM, PSUM, R, R, PSUM, R),
+    "outch": (R, Shard(0), Shard(0), Shard(1), Shard(1), PSUM, Shard(0), Shard(0)),
+    "wpartial": (R, PSUM, PSUM, PSUM, R, PSUM, R, R),
+    "rep": (R, R, R, R, R, R, R, R),
+}
+_COL = {name: k for k, name in enumerate(("x", "w", "bias", "out", "g_out", "g_in", "g_w", "g_b"))}
+
+
+def conv_modes(x_spec: DTensorSpec, w_spec: DTensorSpec, transposed: bool, groups: int) -> list[tuple[str, int]]:
+    """One ``(mode, spatial tensor dim or -1)`` per mesh dim (see the module docstring)."""
+    spatial = spatial_shards(x_spec.placements, 2, x_spec.ndim)
+    modes = []
+    for i, (px, pw) in enumerate(zip(x_spec.placements, w_spec.placements)):
+        mode = "rep"
+        if isinstance(px, Shard) and px.dim == 0:
+            mode = "batch"
+        elif i in spatial:
+            mode = "spatial"
+        elif isinstance(px, Partial) and px.reduce_op == "sum":
+            mode = "xpartial"
+        elif not transposed and groups == 1 and (
+            (isinstance(px, Shard) and px.dim == 1) or (isinstance(px, Replicate) and pw == Shard(1))
+        ):
+            mode = "inch"
+        elif not transposed and groups == 1 and isinstance(px, Replicate) and pw == Shard(0):
+            mode = "outch"
+        elif not transposed and isinstance(px, Replicate) and isinstance(pw, Partial) and pw.reduce_op == "sum":
+            mode = "wpartial"
+        modes.append((mode, spatial.get(i, -1) if mode == "spatial" else -1))
+    return modes
+
+
+def placements_for(modes, column: str) -> tuple[Placement, ...]:
+    col = _COL[column]
+    out = []
+    for mode, d in modes:
+        p = _TABLE[mode][col]
+        out.append(Shard(d) if p == "S" else p)
+    return tuple(out)
+
+
+def _conv_plans(modes, x_shape, out_shape, coord, mesh_shape, k_sizes, stride, dilation, padding,
+                transposed: bool = False):
+    """``[(mesh dim, tensor dim, WindowPlan)]`` of the spatial modes, in mesh-dim order; for a
+    transposed convolution each rank's input range comes from :func:`_tconv_window`."""
+    plans = []
+    for i, (mode, d) in enumerate(modes):
+        if mode != "spatial":
+            continue
+        j = d - 2
+        k_eff = dilation[j] * (k_sizes[j] - 1) + 1
+        n = mesh_shape[i]
+        if transposed:
+            wins = tuple(_tconv_window(x_shape[d], out_shape[d], n, r, stride[j], k_eff, padding[j]) for r in range(n))
+            plan = halo.range_plan(x_shape[d], out_shape[d], n, coord[i], wins)
+        else:
+            plan = halo.window_plan(x_shape[d], out_shape[d], n, coord[i], stride[j], k_eff, padding[j])
+        plans.append((i, d, plan))
+    return plans
+
+
+def _tconv_window(n_in: int, m_out: int, n: int, r: int, s: int, k_eff: int, p: int) -> tuple[int, int]:
+    """Transposed convolution: the input range ``[lo, hi)`` that output chunk ``r`` of ``m_out``
+    reads.  Input ``i`` reaches outputs ``i*s - p + t*d`` (``t`` in ``[0, k)``), so outputs ``[a, b)``
+    need ``ceil((a + p - (K-1)) / s) <= i <= floor((b - 1 + p) / s)``, clipped to ``[0, N)``."""
+    a, length = chunk_range(m_out, n, r)
+    if length == 0:
+        return (0, 0)
+    lo = max(0, -((-(a + p - (k_eff - 1))) // s))
+    hi = min(n_in, (a + length - 1 + p) // s + 1)
+    return (lo, hi) if hi > lo else (0, 0)
+
+
+def _tconv_fit(plans, k_sizes, stride, dilation, padding, ndim: int) -> list[int]:
+    """``constant_pad_nd`` pads that turn the local transposed convolution of the windows (padding
+    and output_padding 0 on the sharded dims) into this rank's output chunk: the local output
+    starts at global position ``lo*s - p``; outputs the window does not reach are zero (cropped
+    when it reaches beyond the chunk)."""
+    pads = [0] * (2 * ndim)
+    for _, d, plan in plans:
+        j = d - 2
+        length = plan.window_length
+        k_eff = dilation[j] * (k_sizes[j] - 1) + 1
+        local_out = (length - 1) * stride[j] + k_eff if length else 0
+        left = plan.lo * stride[j] - padding[j] - plan.a
+        right = (plan.b - plan.a) - left - local_out
+        k = ndim - 1 - d
+        pads[2 * k], pads[2 * k + 1] = left, right
+    return pads
+
+
+def _window_shape(local_shape, plans) -> list[int]:
+    shape = list(local_shape)
+    for _, d, plan in plans:
+        shape[d] = plan.window_length
+    return shape
+
+
+# ---------------------------------------------------------------------------------------------
+# convolution
+# ---------------------------------------------------------------------------------------------
+
+
+class _Plan:
+    """A handler's cached plan: attributes set from keywords (subclasses name them in __slots__)."""
+
+    __slots__ = ()
 
     def __init__(self, **kw):
         for k, v in kw.items():
             setattr(self, k, v)
 
 
-def _qualifies(modes, stride, padding, dilation, k_sizes, transposed) -> list | None:
-    """``[(mesh dim, tensor dim, p)]`` of the sharded spatial dims, or None."""
-    if transposed:
+def _cached_plan(cache: dict, key, plan_fn, op, args, kwargs):
+    """``(plan, bound arguments)``: the plan cached under ``key`` (then the arguments are the
+    positional ``args`` the key was built from), else ``plan_fn(op, args, kwargs)``, stored when
+    there is a key (``key`` None: a call the key cannot describe, planned every time)."""
+    plan = cache.get(key) if key is not None else None
+    if plan is not None:
+        return plan, args
+    plan = plan_fn(op, args, kwargs)
+    if key is not None:
+        if len(cache) > 4096:
+            cache.clear()
+        cache[key] = plan
+    return plan, bind(op, args, kwargs)
+
+
+class _ConvPlan(_Plan):
+    """Everything a forward convolution call needs beyond its tensors, for one (specs, args)
+    key: computed once by :func:`_plan_convolution`, then the call is local ops and exchanges."""
+
+    __slots__ = ("x_target", "w_target", "b_target", "plans", "stride", "padding", "dilation", "local_padding",
+                 "local_output_padding", "out_spec", "out_local_shape", "path", "modes", "coord", "w_k", "overlap",
+                 "halo")
+
+
+_conv_plans_cache: dict = {}
+
+
+def _tup(v):
+    return tuple(v) if isinstance(v, (list, tuple)) else (v,)
+
+
+def _conv_key(args, kwargs):
+    """The cache key of a forward convolution call (all 9 arguments positional, as
+    ``F.conv*d`` passes them, and the halo depth policy), or None (then the slow path plans and
+    checks everything)."""
+    from dtshard.dispatch import _DT
+
+    if kwargs or len(args) != 9:
         return None
-    dims = []
-    for i, (mode, d) in enumerate(modes):
-        if mode == "spatial":
-            j = d - 2
-            eff = dilation[j] * (k_sizes[j] - 1)
-            if stride[j] != 1 or eff % 2 or 2 * padding[j] != eff:
-                return None
-            dims.append((i, d, padding[j]))
-        elif mode not in ("batch", "rep"):
+    x, w, bias, stride, padding, dilation, transposed, output_padding, groups = args
+    if type(x) is not _DT or type(w) is not _DT or not (bias is None or type(bias) is _DT):
+        return None
+    try:  # F.conv*d passes lists
+        return (x._spec, w._spec, None if bias is None else bias._spec, tuple(stride), tuple(padding),
+                tuple(dilation), transposed, tuple(output_padding), groups, SL._depth[0])
+    except TypeError:  # an int where aten allows one
+        return (x._spec, w._spec, None if bias is None else bias._spec, _tup(stride), _tup(padding),
+                _tup(dilation), transposed, _tup(output_padding), groups, SL._depth[0])
+
+
+@register_handler(aten.convolution.default, keeps_halo=True)
+def convolution_handler(op, args, kwargs):
+    """Forward convolution on DTensors (any mode of the module docstring, per mesh dim).  A call
+    whose (specs, arguments) were seen before runs its cached :class:`_ConvPlan`: no argument
+    binding, mode table or window arithmetic per call."""
+    plan, bound = _cached_plan(_conv_plans_cache, _conv_key(args, kwargs), _plan_convolution, op, args, kwargs)
+    x, w, bias, _, _, _, transposed, output_padding, groups = bound
+    if x._spec.halo and x.__dict__.get("_dtshard_halo_v") != x._version:
+        SL.fresh(x)  # written in place since: its halo is dropped (so a new plan key)
+        return convolution_handler(op, args, kwargs)
+    if plan.halo is not None:
+        out = _halo_forward(op, x, w, bias, plan, output_padding, groups)
+        if out is not None:
+            return out  # else the depth learned for this call is 1: the usual path
+    if x._spec.halo:  # a halo this call cannot use
+        x = SL.strip(x)
+    stride, dilation = plan.stride, plan.dilation
+    mesh = x._spec.mesh
+    with op_context(op):
+        xl = x._local_tensor if plan.x_target is None else to_local(x, plan.x_target)
+        wl = w._local_tensor if plan.w_target is None else to_local(w, plan.w_target)
+        bl = None if bias is None else (bias._local_tensor if plan.b_target is None else to_local(bias, plan.b_target))
+        overlap = _overlap_on(xl, forward=True)  # the same on every rank (plan.overlap is not)
+        if plan.overlap is not None and overlap:
+            out = _overlapped(op, xl, wl, bl, plan, mesh, transposed, output_padding, groups)
+            return _checked(op, out, plan)
+        if not overlap and _keep_windows(x, w, plan):
+            recvs = []
+            for i, d, wplan in plan.plans:
+                xl, recv = halo.exchange_keep(xl, wplan, d, mesh, i)
+                recvs.append(recv)
+            # the backward's weight gradient reads this same window: keep what arrived (the halo
+            # rows) on the input, so the backward rebuilds the window without an exchange
+            x.__dict__[_WINDOWS] = (x._version, plan.plans, recvs)
+        else:
+            for i, d, wplan in plan.plans:
+                xl = halo.exchange(xl, wplan, d, mesh, i)
+        if plan.path == "tconv":
+            out = _tconv_forward(op, xl, wl, bl, plan.out_local_shape, plan.plans, plan.w_k, stride,
+                                 plan.local_padding, plan.padding, dilation, plan.local_output_padding, groups)
+        elif plan.path == "empty":
+            out = xl.new_zeros(plan.out_local_shape)
+            if bl is not None and _numel(plan.out_local_shape):
+                out += bl.view([1, -1] + [1] * (x.dim() - 2))
+        else:
+            out = op(xl, wl, bl, stride, plan.local_padding, dilation, transposed, output_padding, groups)
+    return _checked(op, out, plan)
+
+
+def _halo_forward(op, x, w, bias, plan, output_padding, groups):
+    """A convolution on a halo layout (:mod:`dtshard.spatial.conv_halo`): widen the input once for
+    several layers, or consume the halo it carries; the output carries what is left.  Under the
+    ``"auto"`` depth a widening learns from the chains it served (:class:`HC.Site`) and fetches
+    no more rows than they used (None: it learned that a halo does not pay here)."""
+    hp, coord = plan.halo, plan.coord
+    if hp.grow is not None:
+        hp, site = HC.widening_for(hp, w)
+        if hp is None:
             return None
-    return dims or None
+    else:
+        site = x.__dict__.get(HC.SITE)
+    if site is not None:
+        site.consumed(hp.out_halo)
+    with op_context(op):
+        wl = w._local_tensor
+        bl = None if bias is None else bias._local_tensor
+        xl = x._local_tensor
+        if hp.grow is not None:
+            spec = x._spec.plain
+            if x._spec.halo:
+                xl = SL.plain_local(x)
+            if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+                # the backward rebuilds this window from what arrived (under torch.compile the
+                # joint graph's backward reads the forward's traced rows: AOTAutograd saves them)
+                xl, recvs = SL.grow_local(xl, spec, hp.grow, coord, keep=True)
+                x.__dict__[HC.KEPT] = (x._version, hp.grow, recvs)
+            else:
+                xl = SL.grow_local(xl, spec, hp.grow, coord)
+        if _numel(hp.out_local_shape) == 0 or wl.numel() == 0:
+            out = xl.new_zeros(hp.out_local_shape)
+            if bl is not None and _numel(hp.out_local_shape):
+                out += bl.view([1, -1] + [1] * (x.dim() - 2))
+        else:
+            out = op(HC.window(xl, hp.windows), wl, bl, plan.stride, plan.local_padding, plan.dilation, False,
+                     output_padding, groups)
+    if tuple(out.shape) != hp.out_local_shape:  # never return a mislabelled shard
+        raise AssertionError(f"{op}: local output {tuple(out.shape)} does not match {hp.out_spec} at {coord}")
+    res = wrap(out, hp.out_spec)
+    if site is not None:
+        res.__dict__[HC.SITE] = site
+    return res
 
 
-def _windows(spec, in_halo, out_halo, dims, coord) -> list:
-    """Per sharded dim: ``(dim, narrow start, narrow length, pad left, pad right)`` taking the
-    convolution's window for the output range ``out_halo`` from the input range ``in_halo``."""
-    out = []
-    for (i, d, p), hi_, ho in zip(dims, in_halo, out_halo):
-        n_len, n, q = spec.shape[d], spec.mesh_shape[i], coord[i]
-        s_in, t_in = L.ext_range(n_len, n, q, hi_.lo, hi_.hi)
-        s_o, t_o = L.ext_range(n_len, n, q, ho.lo, ho.hi)
-        start, stop = max(0, s_o - p), min(n_len, t_o + p)
-        if t_o <= s_o:  # no output rows here: the (all-zero) input gradient has the input's rows
-            out.append((d, 0, t_in - s_in, 0, 0))
-            continue
-        if start < s_in or stop > t_in:
-            raise AssertionError(f"halo conv: window [{start}, {stop}) outside the input's [{s_in}, {t_in}) on dim {d}")
-        out.append((d, start - s_in, stop - start, start - (s_o - p), (t_o + p) - stop))
-    return out
+#: attribute of a convolution's input DTensor: ``(its version, the window plans, what each
+#: exchange received)`` of the last forward that exchanged its halo (see :func:`_kept_window`)
+_WINDOWS = "_dtshard_conv_windows"
 
 
-def window(xl: torch.Tensor, windows) -> torch.Tensor:
-    """The local convolution's input: the extended shard narrowed and zero-padded per dim."""
-    for d, start, length, pad_l, pad_r in windows:
-        if start or length != xl.shape[d]:
-            xl = xl.narrow(d, start, length)
-        if pad_l or pad_r:
-            xl = K.halo_cat([xl], d, pad_l, pad_r)
+def _keep_windows(x, w, plan) -> bool:
+    """Keep the forward's received halo for the backward: eagerly, when a backward will run
+    (grad mode, an input or the weight requires grad) and the window is the input's own shard
+    widened (no re-layout).  Every condition here and in :func:`_kept_window` is the same on
+    every rank (no per-rank path or overlap split), so all ranks skip the backward's exchange
+    together: a rank-dependent choice would be a collective mismatch."""
+    return (plan.x_target is None and bool(plan.plans) and torch.is_grad_enabled()
+            and (x.requires_grad or w.requires_grad) and not torch.compiler.is_compiling())
+
+
+def _kept_window(x, plan):
+    """The input window the forward exchanged, rebuilt without traffic, or None: the same window
+    plans, the input unchanged since (its version), eagerly."""
+    kept = x.__dict__.get(_WINDOWS)
+    if (kept is None or plan.x_target is not None or torch.compiler.is_compiling()
+            or kept[0] != x._version or kept[1] != plan.plans):
+        return None
+    xl = x._local_tensor
+    for (_, d, wplan), recv in zip(plan.plans, kept[2]):
+        xl = halo.window_from(xl, recv, wplan, d)
     return xl
 
 
-def _depth(x_spec, w_shape, groups, dims, coord) -> int:
-    from dtshard.spec import chunk_range
-
-    n = L.get_halo_depth()
-    if n != "auto":
-        return n
-    # the model's inputs: global shapes over the mesh (the same on every rank)
-    per_rank = list(x_spec.shape)
-    for i, p in enumerate(x_spec.placements):
-        if type(p).__name__ == "Shard":
-            per_rank[p.dim] = chunk_range(x_spec.shape[p.dim], x_spec.mesh_shape[i], 0)[1]
-    c_out, c_in_g = w_shape[0], w_shape[1]
-    k = math.prod(w_shape[2:])
-    radius = max(p for _, _, p in dims)
-    d0 = dims[0][1]
-    rows = math.prod(per_rank[2:]) // max(1, per_rank[d0])
-    row_flops = 2.0 * per_rank[0] * c_out * c_in_g * k * rows
-    width = min(per_rank[d] for _, d, _ in dims)
-    return L.auto_depth(row_flops, radius, width)
+def _checked(op, out, plan):
+    if tuple(out.shape) != plan.out_local_shape:  # never return a mislabelled shard
+        raise AssertionError(
+            f"{op}: local output {tuple(out.shape)} does not match {plan.out_spec} at {plan.coord} "
+            f"(modes {plan.modes})")
+    return wrap(out, plan.out_spec)
 
 
-def forward_plan(x_spec, out_spec, modes, stride, padding, dilation, w_shape, groups, transposed, coord,
-                 targets_none: bool, cap: int | None = None):
-    """The :class:`HaloConv` of a forward call, or None (the call runs as usual, without halos).
-    ``cap``: the most layers a widening may serve (learned under ``"auto"``: see :class:`Site`)."""
-    if not targets_none or x_spec.halo_partial:
+def _overlap_on(x, forward: bool = False) -> bool:
+    from dtshard.propagate import config
+
+    if torch.compiler.is_compiling() and not config.halo_overlap_compiled:
+        return False
+    return config.halo_overlap and (config.halo_overlap_forward or not forward) and C.can_overlap(x)
+
+
+def _overlap_split(plans, x_local_shape, stride, padding, dilation, k_sizes):
+    """``(mesh dim, tensor dim, window plan, (oa, ob))``: the output rows ``[oa, ob)`` (global)
+    whose input windows lie in this rank's own shard, when the convolution has one sharded
+    dim with traffic and enough such rows to compute while the exchange is in flight (at least
+    half of the rank's rows); else None."""
+    if len(plans) != 1:
         return None
-    dims = _qualifies(modes, stride, padding, dilation, list(w_shape[2:]), transposed)
-    if dims is None or any(h.dim not in {d for _, d, _ in dims} for h in x_spec.halo):
+    i, d, wp = plans[0]
+    if not wp.any_traffic or wp.b <= wp.a:
         return None
-    have = [L.halo_widths(x_spec, d) for _, d, _ in dims]
-    if x_spec.halo and all(lo >= p and hi >= p for (_, _, p), (lo, hi) in zip(dims, have)):
-        grow = None
-        in_halo = tuple(Halo(d, i, lo, hi) for (i, d, _), (lo, hi) in zip(dims, have))
-        out_halo = tuple(Halo(d, i, lo - p, hi - p) for (i, d, p), (lo, hi) in zip(dims, have))
+    j = d - 2
+    s, p_l, k_eff = stride[j], padding[j], dilation[j] * (k_sizes[j] - 1) + 1
+    oa = max(wp.a, -(-(wp.c + p_l) // s))
+    ob = min(wp.b, (wp.e - k_eff + p_l) // s + 1)
+    if ob - oa < max(1, (wp.b - wp.a) // 2) or x_local_shape[d] != wp.e - wp.c:
+        return None
+    return (i, d, wp, (oa, ob), s, p_l, k_eff)
+
+
+def _overlapped(op, xl, wl, bl, plan, mesh, transposed, output_padding, groups):
+    """The convolution with its halo exchange in flight while the interior rows are computed
+    from the rank's own shard; then the boundary rows from the window; joined along the dim."""
+    i, d, wp, (oa, ob), s, p_l, k_eff = plan.overlap
+    pending = halo.exchange_async(xl, wp, d, mesh, i)
+
+    def conv(t):
+        return op(t, wl, bl, plan.stride, plan.local_padding, plan.dilation, transposed, output_padding, groups)
+
+    interior = conv(xl.narrow(d, oa * s - p_l - wp.c, (ob - oa - 1) * s + k_eff))
+    window = pending.wait()  # covers inputs [a*s - p_l, ...), the padding included
+    parts = []
+    if oa > wp.a:
+        parts.append(conv(window.narrow(d, 0, (oa - wp.a - 1) * s + k_eff)))
+    parts.append(interior)
+    if wp.b > ob:
+        parts.append(conv(window.narrow(d, (ob - wp.a) * s, (wp.b - ob - 1) * s + k_eff)))
+    return torch.cat(parts, d) if len(parts) > 1 else interior
+
+
+def _plan_convolution(op, args, kwargs) -> _ConvPlan:
+    """Check one forward convolution call and plan it (the cached part of the handler)."""
+    x, w, bias, stride, padding, dilation, transposed, output_padding, groups = bind(op, args, kwargs)
+    check_dtensors(op, [x, w, bias])
+    nsp = x.dim() - 2
+    stride, padding, dilation = expand_list(stride, nsp), expand_list(padding, nsp), expand_list(dilation, nsp)
+    output_padding = expand_list(output_padding, nsp)
+    gout = meta_run(op, x, w, bias, stride, padding, dilation, transposed, output_padding, groups)
+    mesh = x._spec.mesh
+    if w._spec.mesh is not mesh or (bias is not None and bias._spec.mesh is not mesh):
+        raise ValueError(f"{op}: input, weight and bias must live on the same mesh")
+    modes = conv_modes(x._spec, w._spec, transposed, groups)
+    coord = C.mesh_coordinate(mesh)
+    out_spec = DTensorSpec(mesh, placements_for(modes, "out"), tuple(gout.shape), tuple(gout.stride()), gout.dtype)
+    plans = _conv_plans(modes, x.shape, gout.shape, coord, mesh.shape, list(w.shape[2:]), stride, dilation,
+                        padding, transposed)
+    local_padding, local_output_padding = list(padding), list(output_padding)
+    for _, d, _ in plans:
+        local_padding[d - 2] = local_output_padding[d - 2] = 0
+    out_local_shape = out_spec.local_shape(coord)
+
+    def target(t, column):  # None: the tensor's own placements, its local tensor as it is
+        want = placements_for(modes, column)
+        return None if t is None or want == t._spec.placements else want
+
+    x_target = target(x, "x")
+    x_local_shape = (x._spec if x_target is None else x._spec.with_placements(x_target)).local_shape(coord)
+    w_local_shape = (w._spec if target(w, "w") is None else w._spec.with_placements(target(w, "w"))).local_shape(coord)
+    if transposed and plans:
+        path = "tconv"
+    elif _numel(out_local_shape) == 0 or _numel(_window_shape(x_local_shape, plans)) == 0 or _numel(w_local_shape) == 0:
+        path = "empty"
     else:
-        if not any(p for _, _, p in dims):
-            return None
-        n = _depth(x_spec, w_shape, groups, dims, coord)
-        if cap is not None:
-            n = min(n, cap)
-        if n < 2:
-            return None
-        grow = in_halo = tuple(Halo(d, i, n * p, n * p) for i, d, p in dims)
-        out_halo = tuple(Halo(d, i, (n - 1) * p, (n - 1) * p) for i, d, p in dims)
-    spec = out_spec.with_halo(out_halo)
-    args = (x_spec, out_spec, modes, stride, padding, dilation, w_shape, groups, transposed, coord, targets_none)
-    return HaloConv(dims=dims, grow=tuple(h for h in grow if h.lo or h.hi) if grow else None, need=in_halo,
-                    out_halo=out_halo, windows=_windows(x_spec.plain.with_halo(in_halo), in_halo, out_halo, dims, coord),
-                    partial_out=False, out_local_shape=L.ext_shape(spec, coord), out_spec=spec,
-                    depth=n if grow else None, learns=bool(grow) and L.get_halo_depth() == "auto",
-                    replan=lambda cap: forward_plan(*args, cap=cap), capped={})
+        path = "local"
+    overlap = _overlap_split(plans, x_local_shape, stride, padding, dilation, list(w.shape[2:])) \
+        if path == "local" and not transposed else None
+    halo_plan = HC.forward_plan(x._spec, out_spec, modes, stride, padding, dilation, tuple(w.shape), groups,
+                                transposed, coord, x_target is None and target(w, "w") is None
+                                and target(bias, "bias") is None)
+    return _ConvPlan(x_target=x_target, w_target=target(w, "w"), b_target=target(bias, "bias"), plans=plans,
+                     overlap=overlap, halo=halo_plan,
+                     stride=stride, padding=padding, dilation=dilation, local_padding=local_padding, local_output_padding=local_output_padding, out_spec=out_spec,
+                     out_local_shape=out_local_shape, path=path, modes=modes, coord=coord, w_k=list(w.shape[2:]))
 
 
-def widening_for(hp: HaloConv, w) -> tuple:
-    """``(the plan to run, its Site or None)`` of a widening convolution with weight ``w``: under
-    ``"auto"``, the plan capped at the depth this layer's chains were seen to need (None: a halo
-    does not pay here)."""
-    if not hp.learns:
-        return hp, None
-    cap = learn(w)
-    if cap is not None and cap < hp.depth:
-        if cap not in hp.capped:
-            hp.capped[cap] = hp.replan(cap)
-        hp = hp.capped[cap]
-        if hp is None:
-            return None, None
-    site = Site(min(min(h.lo, h.hi) for h in hp.grow), max(p for _, _, p in hp.dims))
-    w.__dict__[LAST] = site
-    return hp, site
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
 
 
-def backward_plan(g_spec, x_spec, modes, stride, padding, dilation, w_shape, transposed, coord, targets_none: bool,
-                  kept: bool = False):
-    """The :class:`HaloConv` of a ``convolution_backward`` call whose output gradient or input
-    carries a halo, or None (then both are used without).  ``kept``: the plan for plain ones
-    whose forward widened the input (it kept the rows that arrived: :data:`KEPT`)."""
-    if not targets_none or (x_spec.halo and x_spec.halo_partial):
+def _tconv_forward(op, xl, wl, bl, out_local_shape, plans, k_sizes, stride, local_padding, padding, dilation,
+                   local_output_padding, groups):
+    """Transposed convolution of the input windows, fitted to this rank's output chunk, plus bias
+    (added after the fit: positions no input reaches still get it)."""
+    nsp = xl.dim() - 2
+    if _numel(out_local_shape) == 0:
+        return xl.new_zeros(out_local_shape)
+    if xl.numel() == 0 or wl.numel() == 0:
+        out = xl.new_zeros(out_local_shape)
+    else:
+        out = op(xl, wl, None, stride, local_padding, dilation, True, local_output_padding, groups)
+        out = aten.constant_pad_nd.default(out, _tconv_fit(plans, k_sizes, stride, dilation, padding, xl.dim()))
+    if bl is not None:
+        out = out + bl.view([1, -1] + [1] * nsp)
+    return out
+
+
+class _ConvBackwardPlan(_Plan):
+    """The cached part of a ``convolution_backward`` call (see :class:`_ConvPlan`)."""
+
+    __slots__ = ("g_target", "w_target", "x_target", "plans", "stride", "padding", "dilation", "output_padding",
+                 "local_padding", "local_output_padding", "window_shape", "specs", "out_shapes", "path",
+                 "local_bias", "mask", "w_k", "coord", "halo", "halo_kept")
+
+
+_conv_backward_cache: dict = {}
+
+
+def _register_caches() -> None:
+    from dtshard import dispatch
+
+    dispatch.handler_caches.extend([_conv_plans_cache, _conv_backward_cache])
+
+
+_register_caches()
+
+
+def _conv_backward_key(args, kwargs):
+    from dtshard.dispatch import _DT
+
+    if kwargs or len(args) != 11:
         return None
-    dims = _qualifies(modes, stride, padding, dilation, list(w_shape[2:]), transposed)
-    if dims is None:
+    g, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, mask = args
+    if type(g) is not _DT or type(x) is not _DT or type(w) is not _DT:
         return None
-    spatial = {d for _, d, _ in dims}
-    if any(h.dim not in spatial for h in g_spec.halo) or any(h.dim not in spatial for h in x_spec.halo):
-        return None
-    g_halo = tuple(Halo(d, i, *L.halo_widths(g_spec, d)) for i, d, _ in dims) if g_spec.halo_partial \
-        else tuple(Halo(d, i, 0, 0) for i, d, _ in dims)
-    need = tuple(Halo(d, i, g.lo + p, g.hi + p) for (i, d, p), g in zip(dims, g_halo))
-    have = [L.halo_widths(x_spec, d) for _, d, _ in dims]
-    local = bool(x_spec.halo) and all(lo >= n.lo and hi >= n.hi for (lo, hi), n in zip(have, need))
-    if not local and not g_spec.halo_partial and not (kept and not g_spec.halo and not x_spec.halo):
-        return None  # nothing carried a usable halo: the usual path
-    return HaloConv(dims=dims, grow=None if local else tuple(h for h in need if h.lo or h.hi), need=need,
-                    out_halo=g_halo, windows=_windows(x_spec.plain.with_halo(need), need, g_halo, dims, coord),
-                    partial_out=local, out_local_shape=L.ext_shape(x_spec.plain.with_halo(need), coord), out_spec=None,
-                    depth=None, learns=False, replan=None, capped=None)
+    return (g._spec, x._spec, w._spec, None if bias_sizes is None else _tup(bias_sizes), _tup(stride),
+            _tup(padding), _tup(dilation), transposed, _tup(output_padding), groups, tuple(bool(m) for m in mask))
+
+
+@register_handler(aten.convolution_backward.default, keeps_halo=True)
+def convolution_backward_handler(op, args, kwargs):
+    """Backward of :func:`convolution_handler` (same modes, so it matches the forward layout);
+    cached per (specs, arguments) like the forward."""
+    plan, bound = _cached_plan(_conv_backward_cache, _conv_backward_key(args, kwargs), _plan_convolution_backward,
+                               op, args, kwargs)
+    g, x, w = bound[0], bound[1], bound[2]
+    transposed, groups = bound[7], bound[9]
+    if any(t._spec.halo and t.__dict__.get("_dtshard_halo_v") != t._version for t in (g, x)):
+        SL.fresh(g), SL.fresh(x)  # written in place since: their halos are dropped (a new plan key)
+        return convolution_backward_handler(op, args, kwargs)
+    if plan.halo is not None:
+        return _halo_backward(op, g, x, w, plan.halo, plan, transposed, groups)
+    if plan.halo_kept is not None and HC.KEPT in x.__dict__:  # its forward widened x for several layers
+        return _halo_backward(op, g, x, w, plan.halo_kept, plan, transposed, groups)
+    if g._spec.halo:  # halos this call cannot use: the owners' sums of a partial one
+        if g._spec.halo_partial:
+            SL.demote_(g)
+        else:
+            g = SL.strip(g)
+    if x._spec.halo:
+        x = SL.strip(x)
+    mesh = x._spec.mesh
+    mask = plan.mask
+    with op_context(op):
+        # a Partial output takes a Replicate gradient
+        gl = g._local_tensor if plan.g_target is None else to_local(g, plan.g_target)
+        wl = w._local_tensor if plan.w_target is None else to_local(w, plan.w_target)
+        kept = _kept_window(x, plan) if mask[1] else None
+        if (kept is None and mask[0] and mask[1] and plan.path == "local" and len(plan.plans) == 1
+                and plan.plans[0][2].any_traffic and _overlap_on(gl)):
+            # the input window (for the weight gradient) travels while the input gradient is
+            # computed; the input gradient needs only the window's shape
+            xo = x._local_tensor if plan.x_target is None else to_local(x, plan.x_target)
+            i, d, wplan = plan.plans[0]
+            pending = halo.exchange_async(xo, wplan, d, mesh, i)
+            shape_only = gl.new_zeros(plan.window_shape)
+            gi, _, _ = op(gl, shape_only, wl, None, plan.stride, plan.local_padding, plan.dilation, transposed,
+                          plan.output_padding, groups, [True, False, False])
+            del shape_only
+            _, gw, gb = op(gl, pending.wait(), wl, plan.local_bias, plan.stride, plan.local_padding, plan.dilation,
+                           transposed, plan.output_padding, groups, [False, True, mask[2]])
+            gi = halo.accumulate(gi, wplan, d, mesh, i)
+            return _wrap_grads(op, (gi, gw, gb), plan)
+        if kept is not None:  # the window the forward exchanged: no traffic
+            xl = kept
+        elif mask[1]:  # grad_weight reads the input window
+            xl = x._local_tensor if plan.x_target is None else to_local(x, plan.x_target)
+            for i, d, wplan in plan.plans:
+                xl = halo.exchange(xl, wplan, d, mesh, i)
+        else:  # grad_input only needs the window's shape
+            xl = g._local_tensor.new_zeros(plan.window_shape)
+        if plan.path == "tconv":
+            gi, gw, gb = _tconv_backward(op, gl, xl, wl, plan.local_bias, plan.plans, plan.w_k, plan.stride,
+                                         plan.local_padding, plan.padding, plan.dilation, plan.local_output_padding,
+                                         groups, mask)
+        elif plan.path == "empty":
+            gi = xl.new_zeros(xl.shape) if mask[0] else None
+            gw = wl.new_zeros(wl.shape) if mask[1] else None
+            # the bias gradient needs no input (an empty in-channel chunk still has one)
+            gb = gl.sum([0] + list(range(2, gl.dim()))) if mask[2] and plan.local_bias is not None else None
+        else:
+            gi, gw, gb = op(gl, xl, wl, plan.local_bias, plan.stride, plan.local_padding, plan.dilation, transposed,
+                            plan.output_padding, groups, mask)
+        if mask[0]:
+            for i, d, wplan in reversed(plan.plans):
+                gi = halo.accumulate(gi, wplan, d, mesh, i)
+    return _wrap_grads(op, (gi, gw, gb), plan)
+
+
+def _halo_backward(op, g, x, w, hb, plan, transposed, groups):
+    """Backward of :func:`_halo_forward` (see :mod:`dtshard.spatial.conv_halo`): the input gradient on
+    the rows around the shard that the output gradient's halo reaches; a partial halo when the
+    input carries those rows, else sent back to their owners once."""
+    coord, mask = plan.coord, plan.mask
+    with op_context(op):
+        gl = g._local_tensor if g._spec.halo_partial or not g._spec.halo else SL.plain_local(g)
+        wl = w._local_tensor
+        need_spec = x._spec.plain.with_halo(hb.need)
+        xl = None
+        if mask[1] and hb.grow is None:  # the input carries the rows
+            xl = SL.narrow_local(x._local_tensor, x._spec, hb.need, coord)
+        elif mask[1]:
+            xo = SL.plain_local(x) if x._spec.halo else x._local_tensor
+            kept = x.__dict__.get(HC.KEPT)
+            if (kept is not None and kept[0] == x._version
+                    and len(kept[1]) == len(hb.grow) and all(
+                        k.dim == n.dim and k.lo >= n.lo and k.hi >= n.hi for k, n in zip(kept[1], hb.grow))):
+                xl = SL.regrow_local(xo, x._spec.plain, kept[1], coord, kept[2])  # the forward's window
+                xl = SL.narrow_local(xl, x._spec.plain.with_halo(kept[1]), hb.need, coord)
+            else:
+                xl = SL.grow_local(xo, x._spec.plain, hb.grow, coord)
+        if xl is None:  # the input gradient needs only the window's shape
+            xl = gl.new_zeros(SL.ext_shape(need_spec, coord))
+        xw = HC.window(xl, hb.windows)
+        if gl.numel() == 0 or xw.numel() == 0 or wl.numel() == 0:
+            gi = xw.new_zeros(xw.shape) if mask[0] else None
+            gw = wl.new_zeros(wl.shape) if mask[1] else None
+            gb = gl.sum([0] + list(range(2, gl.dim()))) if mask[2] and plan.local_bias is not None else None
+        else:
+            gi, gw, gb = op(gl, xw, wl, plan.local_bias, plan.stride, plan.local_padding, plan.dilation, transposed,
+                            plan.output_padding, groups, mask)
+        gi_spec = plan.specs[0]
+        if mask[0]:
+            for d, _, length, pad_l, _ in hb.windows:
+                if gi.shape[d] != length:
+                    gi = gi.narrow(d, pad_l, length)
+            if hb.partial_out:
+                gi_spec = gi_spec.with_halo(hb.need, partial=True)
+            else:
+                gi = SL.accumulate_local(gi, x._spec.plain, hb.grow, coord)
+    outs = []
+    for t, spec in zip((gi, gw, gb), (gi_spec, plan.specs[1], plan.specs[2])):
+        if spec is None:
+            outs.append(None)
+            continue
+        want = SL.ext_shape(spec, coord)
+        if tuple(t.shape) != want:
+            raise AssertionError(f"{op}: local gradient {tuple(t.shape)} does not match {spec} ({want}) at {coord}")
+        outs.append(wrap(t, spec))
+    return tuple(outs)
+
+
+def _wrap_grads(op, grads, plan) -> tuple:
+    outs = []
+    for t, spec, shape in zip(grads, plan.specs, plan.out_shapes):
+        if spec is None:
+            outs.append(None)
+            continue
+        if tuple(t.shape) != shape:
+            raise AssertionError(f"{op}: local gradient {tuple(t.shape)} does not match {spec} at {plan.coord}")
+        outs.append(wrap(t, spec))
+    return tuple(outs)
+
+
+def _plan_convolution_backward(op, args, kwargs) -> _ConvBackwardPlan:
+    (g, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups,
+     output_mask) = bind(op, args, kwargs)
+    check_dtensors(op, [g, x, w])
+    nsp = x.dim() - 2
+    stride, padding, dilation = expand_list(stride, nsp), expand_list(padding, nsp), expand_list(dilation, nsp)
+    output_padding = expand_list(output_padding, nsp)
+    mesh = x._spec.mesh
+    modes = conv_modes(x._spec, w._spec, transposed, groups)
+    coord = C.mesh_coordinate(mesh)
+    mask = [bool(m) for m in output_mask]
+    specs = [
+        make_spec(mesh, placements_for(modes, "g_in"), x.shape, x.dtype) if mask[0] else None,
+        make_spec(mesh, placements_for(modes, "g_w"), w.shape, w.dtype) if mask[1] else None,
+        (make_spec(mesh, placements_for(modes, "g_b"), bias_sizes, g.dtype)
+         if mask[2] and bias_sizes is not None else None),
+    ]
+    plans = _conv_plans(modes, x.shape, g.shape, coord, mesh.shape, list(w.shape[2:]), stride, dilation,
+                        padding, transposed)
+    local_padding, local_output_padding = list(padding), list(output_padding)
+    for _, d, _ in plans:
+        local_padding[d - 2] = local_output_padding[d - 2] = 0
+
+    def target(t, column):
+        want = placements_for(modes, column)
+        return None if want == t._spec.placements else want
+
+    def local_shape(t, tgt):
+        return (t._spec if tgt is None else t._spec.with_placements(tgt)).local_shape(coord)
+
+    g_target, w_target, x_target = target(g, "g_out"), target(w, "w"), target(x, "x")
+    g_shape, w_shape = local_shape(g, g_target), local_shape(w, w_target)
+    window_shape = _window_shape(local_shape(x, x_target), plans)
+    if transposed and plans:
+        path = "tconv"
+    elif _numel(g_shape) == 0 or _numel(window_shape) == 0 or _numel(w_shape) == 0:
+        path = "empty"
+    else:
+        path = "local"
+    return _ConvBackwardPlan(
+        g_target=g_target, w_target=w_target, x_target=x_target, plans=plans, stride=stride, padding=padding,
+        dilation=dilation, output_padding=output_padding, local_padding=local_padding,
+        local_output_padding=local_output_padding, window_shape=window_shape, specs=specs,
+        out_shapes=[None if sp is None else sp.local_shape(coord) for sp in specs], path=path,
+        local_bias=[g_shape[1]] if bias_sizes is not None else None, mask=mask, w_k=list(w.shape[2:]), coord=coord,
+        halo=HC.backward_plan(g._spec, x._spec, modes, stride, padding, dilation, tuple(w.shape), transposed, coord,
+                              g_target is None and w_target is None and x_target is None),
+        halo_kept=HC.backward_plan(g._spec, x._spec, modes, stride, padding, dilation, tuple(w.shape), transposed,
+                                   coord, g_target is None and w_target is None and x_target is None, kept=True))
+
+
+def _tconv_backward(op, gl, xl, wl, local_bias, plans, k_sizes, stride, local_padding, padding, dilation,
+                    local_output_padding, groups, mask):
+    """Adjoint of :func:`_tconv_forward`: the output gradient un-fitted to the local transposed
+    convolution's output (the negated pads), its backward on the windows; the bias gradient is
+    the sum of this rank's output-gradient chunk (every output position belongs to one rank)."""
+    gb = gl.sum([0] + list(range(2, gl.dim()))) if mask[2] and local_bias is not None else None
+    if gl.numel() == 0 or xl.numel() == 0 or wl.numel() == 0:
+        gi = xl.new_zeros(xl.shape) if mask[0] else None
+        gw = wl.new_zeros(wl.shape) if mask[1] else None
+        return gi, gw, gb
+    pads = _tconv_fit(plans, k_sizes, stride, dilation, padding, xl.dim())
+    g_local = aten.constant_pad_nd.default(gl, [-p for p in pads])
+    gi, gw, _ = op(g_local, xl, wl, None, stride, local_padding, dilation, True, local_output_padding, groups,
+                   [mask[0], mask[1], False])
+    return gi, gw, gb
+
+
+# ---------------------------------------------------------------------------------------------
+# constant_pad_nd: shifting a sharded dim is a kernel-1 window exchange
+# ---------------------------------------------------------------------------------------------
+
+
+@register_handler(aten.constant_pad_nd.default)
+def constant_pad_nd_handler(op, args, kwargs):
+    """``constant_pad_nd`` with any placements.
+
+    Per mesh dim: ``Shard(d)`` on an unpadded dim is kept; on a padded dim the OUTERMOST mesh dim
+    sharding it keeps ``Shard(d)`` (chunk layout of the new length ``N + p_l + p_r``, data moved
+    by a window exchange with kernel 1, stride 1, left padding ``p_l``; negative pads crop), inner
+    ones replicate; ``Partial`` is kept when every term padded with ``value`` reduces to the padded
+    value (avg/max/min always, sum when ``value == 0``); the rest is replicated.
+    """
+    x, pad, value = bind(op, args, kwargs)
+    check_dtensors(op, [x])
+    pad = [int(p) for p in pad]
+    gout = meta_run(op, x, pad, value)
+    ndim = x.dim()
+    pads = {}  # tensor dim -> (left, right)
+    for k in range(len(pad) // 2):
+        d = ndim - 1 - k
+        if pad[2 * k] or pad[2 * k + 1]:
+            pads[d] = (pad[2 * k], pad[2 * k + 1])
+    mesh = x._spec.mesh
+    coord = C.mesh_coordinate(mesh)
+    targets, shifted = [], []
+    seen: set[int] = set()
+    for i, p in enumerate(x._spec.placements):
+        if isinstance(p, Shard):
+            if p.dim not in pads:
+                targets.append(p)
+            elif p.dim not in seen:
+                seen.add(p.dim)
+                targets.append(p)
+                shifted.append((i, p.dim))
+            else:
+                targets.append(R)
+        elif isinstance(p, Partial):
+            keep = p.reduce_op in ("avg", "max", "min") or (p.reduce_op == "sum" and value == 0)
+            targets.append(p if keep else R)
+        else:
+            targets.append(R)
+    out_spec = DTensorSpec(mesh, tuple(targets), tuple(gout.shape), tuple(gout.stride()), gout.dtype)
+    with op_context(op):
+        xl = to_local(x, targets)
+        local_pad = list(pad)
+        for i, d in shifted:
+            pl, _ = pads[d]
+            plan = halo.window_plan(x.shape[d], gout.shape[d], mesh.shape[i], coord[i], 1, 1, pl)
+            xl = halo.exchange(xl, plan, d, mesh, i, fill=value)
+            k = ndim - 1 - d
+            local_pad[2 * k] = local_pad[2 * k + 1] = 0
+        out = op(xl, local_pad, value) if any(local_pad) or not shifted else xl
+        if out is x._local_tensor:  # never alias the input
+            out = out.clone()
+    if tuple(out.shape) != out_spec.local_shape(coord):
+        raise AssertionError(f"{op}: local output {tuple(out.shape)} does not match {out_spec} at {coord}")
+    return wrap(out, out_spec)

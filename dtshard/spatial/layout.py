@@ -29,7 +29,7 @@ Which ops keep a halo (see ``dispatch_halo`` and the handlers that take ``keeps_
 * a stride-1 convolution with "same" padding ``p`` consumes ``p`` rows per side; one whose input
   halo is too narrow exchanges ONCE for ``depth`` layers (:func:`halo_depth`): it fetches
   ``depth * p`` rows and returns ``(depth - 1) * p``; its backward sends the gradient's halo back
-  once (``rules/conv.py``);
+  once (``spatial/conv.py``);
 * group norm takes its statistics over the OWNED rows only and normalises the extended ones.
 
 Any other op sees the tensor without its halo (the dispatcher strips it first), so a halo can
@@ -44,7 +44,7 @@ from typing import Sequence
 
 import torch
 
-from dtshard import halo as H
+from dtshard.spatial import halo as H
 from dtshard.spec import DTensorSpec, Halo, chunk_range
 
 __all__ = [
@@ -132,7 +132,7 @@ def auto_depth(row_flops: float, radius: int, width: int) -> int:
     at ``n = sqrt(latency / (r t_row))``; clamped to ``[1, max_depth]`` and so that the widest
     layer's extra rows ``2 r (n - 1)`` stay within ``max_extra`` of the shard's ``width`` (extra
     compute and activation memory).  A convolution then learns how many layers its chain really
-    has (``spatial.conv.learn``) and fetches no more.  Inputs are global metadata (the same on
+    has (``spatial.conv_halo.learn``) and fetches no more.  Inputs are global metadata (the same on
     every rank)."""
     if radius <= 0 or row_flops <= 0:
         return 1

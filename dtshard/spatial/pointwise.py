@@ -37,7 +37,7 @@ LINEAR[aten.mul_.Tensor] = (0, 1)
 _COPIES = {aten.detach.default, aten.alias.default, aten.clone.default, aten._to_copy.default}
 
 _STRIP = "strip"
-_SITE = "_dtshard_halo_site"  # spatial.conv.SITE
+_SITE = "_dtshard_halo_site"  # spatial.conv_halo.SITE
 _decisions: dict = {}
 
 

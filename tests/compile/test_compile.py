@@ -193,7 +193,7 @@ def _conv_graph():
 
     import dtshard
     from dtshard import Replicate, Shard
-    from dtshard.halo import mesh_id
+    from dtshard.spatial.halo import mesh_id
 
     torch._dynamo.reset()
     graphs = []
@@ -203,7 +203,7 @@ def _conv_graph():
         return make_boxed_func(gm.forward)
 
     mesh = dtshard.init_device_mesh("cpu", (2,))
-    mesh_id(mesh)  # register the mesh outside the traced code (see dtshard/halo.py)
+    mesh_id(mesh)  # register the mesh outside the traced code (see dtshard/spatial/halo.py)
     torch.manual_seed(0)
     x, w = torch.randn(2, 3, 9, 6), torch.randn(4, 3, 3, 3)
     xd = dtshard.distribute_tensor(x, mesh, [Shard(2)]).requires_grad_()
@@ -233,12 +233,12 @@ def _resampling_ops():
     """Interpolation and padding over H-sharded images compile fullgraph and match eager: under
     compile PyTorch decomposes the upsample ops above __torch_dispatch__ unless dtshard routes
     DTensors to the C++ kernels, and the gather maps must become graph constants
-    (dtshard/rules/upsample.py)."""
+    (dtshard/spatial/upsample.py)."""
     import torch._dynamo
 
     import dtshard
     from dtshard import Replicate, Shard
-    from dtshard.halo import mesh_id
+    from dtshard.spatial.halo import mesh_id
 
     mesh = dtshard.init_device_mesh("cpu", (2,))
     mesh_id(mesh)

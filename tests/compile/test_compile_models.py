@@ -198,12 +198,12 @@ def _unet(form: str, backend: str, steps: int, h: int, w: int, up: str):
 
     import dtshard
     from dtshard import Replicate, Shard
-    from dtshard.halo import mesh_id
+    from dtshard.spatial.halo import mesh_id
     from dtshard.models import unet, unet_params, unet_stats
 
     _reset()
     mesh = dtshard.init_device_mesh("cpu", (dist.get_world_size(),))
-    mesh_id(mesh)  # register the mesh outside the traced code (see dtshard/halo.py)
+    mesh_id(mesh)  # register the mesh outside the traced code (see dtshard/spatial/halo.py)
     g = torch.Generator().manual_seed(1)
     x = dtshard.distribute_tensor(torch.randn(2, 3, h, w, generator=g), mesh, [Shard(2)])
     y = dtshard.distribute_tensor(torch.randn(2, 2, h, w, generator=g), mesh, [Shard(2)])

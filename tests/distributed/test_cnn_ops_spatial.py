@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import dtshard
 from dtshard import Replicate
 from dtshard.debug import CommCounter
-from dtshard.rules.adaptive_pool import blocks_align
+from dtshard.spatial.adaptive_pool import blocks_align
 from dtshard.spec import local_shape_and_offset
 from dtshard.testing import run_distributed
 

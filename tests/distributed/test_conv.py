@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import dtshard
 from dtshard import Replicate, Shard
 from dtshard.debug import CommCounter
-from dtshard.halo import conv_output_length, pool_output_length, window_plan
+from dtshard.spatial.halo import conv_output_length, pool_output_length, window_plan
 from dtshard.spec import chunk_range, local_shape_and_offset
 from dtshard.testing import run_distributed
 
@@ -367,7 +367,7 @@ def test_halo_traffic_matches_halo_md(case, recv):
         assert kinds_f == ["all_to_all"], kinds_f  # one exchange, no gather
         assert bytes_f == plans[rank].send_elements() * row
         # backward: only the halo gradients sent back; the input window (for grad_weight) is
-        # rebuilt from the halo rows the forward received (rules/conv.py _kept_window)
+        # rebuilt from the halo rows the forward received (spatial/conv.py _kept_window)
         assert kinds_b == ["all_to_all"], kinds_b
         assert bytes_b == sum(recv[rank]) * row
         assert placements == "(Shard(dim=2),)"
@@ -641,7 +641,7 @@ def test_halo_exchange_fake_impl_gives_the_window_shape():
 
 
 def _custom_op_autograd():
-    from dtshard import halo
+    from dtshard.spatial import halo
 
     m = mesh((3,))
     r = torch.distributed.get_rank()

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import dtshard
 from dtshard import Replicate, Shard
 from dtshard.debug import CommCounter
-from dtshard.halo import range_plan
+from dtshard.spatial.halo import range_plan
 from dtshard.spec import chunk_range, local_shape_and_offset
 from dtshard.testing import run_distributed
 

@@ -24,7 +24,7 @@ Layout, per mesh dim (like pooling):
 - ``Shard(d)`` on a spatial dim: the OUTERMOST mesh dim sharding it keeps ``Shard(d)`` in the chunk
   layout of the OUTPUT length (inner ones are replicated first).  Rank ``r``'s output chunk
   ``[a, b)`` reads the input range ``[min idx[a:b], max idx[a:b] + 1)`` (``[i0[a], i1[b-1] + 1)``
-  for linear); :func:`dtshard.halo.range_plan` turns the ranges of all ranks into one uneven
+  for linear); :func:`dtshard.spatial.halo.range_plan` turns the ranges of all ranks into one uneven
   all_to_all (halos from neighbours, multi-hop when a range spans several shards: downsampling,
   tiny shards, reflection of a short edge shard; nothing when every range lies in its own shard,
   e.g. nearest x2 with even chunks).  The sharded dims are then resampled locally by a gather
@@ -54,9 +54,9 @@ import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from dtshard import collectives as C
-from dtshard import halo
+from dtshard.spatial import halo
 from dtshard.registry import register_handler
-from dtshard.rules.conv import bind, check_dtensors, make_spec, meta_run, op_context, spatial_shards, to_local, wrap
+from dtshard.spatial.conv import bind, check_dtensors, make_spec, meta_run, op_context, spatial_shards, to_local, wrap
 from dtshard.spec import DTensorSpec, chunk_range
 
 aten = torch.ops.aten

@@ -33,9 +33,9 @@ import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from dtshard import collectives as C
-from dtshard import halo
+from dtshard.spatial import halo
 from dtshard.registry import register_handler
-from dtshard.rules.conv import (
+from dtshard.spatial.conv import (
     bind,
     check_dtensors,
     expand_list,
