@@ -706,18 +706,25 @@ def convolution_backward_handler(op, args, kwargs):
             gi, gw, gb = _tconv_backward(op, gl, xl, wl, plan.local_bias, plan.plans, plan.w_k, plan.stride,
                                          plan.local_padding, plan.padding, plan.dilation, plan.local_output_padding,
                                          groups, mask)
-        elif plan.path == "empty":
-            gi = xl.new_zeros(xl.shape) if mask[0] else None
-            gw = wl.new_zeros(wl.shape) if mask[1] else None
-            # the bias gradient needs no input (an empty in-channel chunk still has one)
-            gb = gl.sum([0] + list(range(2, gl.dim()))) if mask[2] and plan.local_bias is not None else None
         else:
-            gi, gw, gb = op(gl, xl, wl, plan.local_bias, plan.stride, plan.local_padding, plan.dilation, transposed,
-                            plan.output_padding, groups, mask)
+            gi, gw, gb = _local_backward(op, gl, xl, wl, plan, transposed, groups, plan.path == "empty")
         if mask[0]:
             for i, d, wplan in reversed(plan.plans):
                 gi = halo.accumulate(gi, wplan, d, mesh, i)
     return _wrap_grads(op, (gi, gw, gb), plan)
+
+
+def _local_backward(op, gl, xl, wl, plan, transposed, groups, empty: bool):
+    """The local ``convolution_backward`` on the window ``xl``; zeros when a tensor is empty
+    (the bias gradient needs no input: an empty in-channel chunk still has one)."""
+    mask = plan.mask
+    if not empty:
+        return op(gl, xl, wl, plan.local_bias, plan.stride, plan.local_padding, plan.dilation, transposed,
+                  plan.output_padding, groups, mask)
+    gi = xl.new_zeros(xl.shape) if mask[0] else None
+    gw = wl.new_zeros(wl.shape) if mask[1] else None
+    gb = gl.sum([0] + list(range(2, gl.dim()))) if mask[2] and plan.local_bias is not None else None
+    return gi, gw, gb
 
 
 def _halo_backward(op, g, x, w, hb, plan, transposed, groups):
@@ -745,13 +752,8 @@ def _halo_backward(op, g, x, w, hb, plan, transposed, groups):
         if xl is None:  # the input gradient needs only the window's shape
             xl = gl.new_zeros(SL.ext_shape(need_spec, coord))
         xw = HC.window(xl, hb.windows)
-        if gl.numel() == 0 or xw.numel() == 0 or wl.numel() == 0:
-            gi = xw.new_zeros(xw.shape) if mask[0] else None
-            gw = wl.new_zeros(wl.shape) if mask[1] else None
-            gb = gl.sum([0] + list(range(2, gl.dim()))) if mask[2] and plan.local_bias is not None else None
-        else:
-            gi, gw, gb = op(gl, xw, wl, plan.local_bias, plan.stride, plan.local_padding, plan.dilation, transposed,
-                            plan.output_padding, groups, mask)
+        gi, gw, gb = _local_backward(op, gl, xw, wl, plan, transposed, groups,
+                                     gl.numel() == 0 or xw.numel() == 0 or wl.numel() == 0)
         gi_spec = plan.specs[0]
         if mask[0]:
             for d, _, length, pad_l, _ in hb.windows:

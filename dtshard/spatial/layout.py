@@ -192,17 +192,6 @@ def _target(halo_to: Sequence[Halo], h: Halo) -> Halo:
     return Halo(h.dim, h.mesh_dim, 0, 0)
 
 
-def check_halo(spec: DTensorSpec) -> None:
-    """Raise when ``spec``'s halo does not fit its placements (one plain ``Shard(dim)`` per dim)."""
-    for h in spec.halo:
-        ps = spec.placements
-        if not (0 <= h.mesh_dim < len(ps)) or type(ps[h.mesh_dim]).__name__ != "Shard" or ps[h.mesh_dim].dim != h.dim \
-                or sum(1 for p in ps if getattr(p, "dim", None) == h.dim and type(p).__name__ == "Shard") != 1 \
-                or h.lo < 0 or h.hi < 0:
-            raise ValueError(f"dtshard: halo {h} does not fit {spec}: a halo needs exactly one plain Shard({h.dim}) "
-                             f"of its tensor dim, on mesh dim {h.mesh_dim}, and widths >= 0")
-
-
 # ---------------------------------------------------------------------------------------------
 # local tensors
 # ---------------------------------------------------------------------------------------------
