@@ -341,3 +341,80 @@ def test_halo_depth_policy():
             assert dtshard.spatial.get_halo_depth() == "auto"
         assert dtshard.spatial.get_halo_depth() == 3
     assert dtshard.spatial.get_halo_depth() == "auto"
+
+
+# ---- a seeded sweep of random chains ----------------------------------------------------------
+
+
+class _Random(nn.Module):
+    """A random sequence of layers that keep, consume, widen or drop halos (convolutions of
+    radius 0-2, grouped and dilated, norms, activations in place, residual adds, a pool)."""
+
+    def __init__(self, seed: int, c: int = 4):
+        super().__init__()
+        import random
+
+        rng = random.Random(seed)
+        torch.manual_seed(seed)
+        self.kinds = []
+        layers = []
+        for _ in range(rng.randint(3, 7)):
+            kind = rng.choice(["conv3", "conv3", "conv5", "conv3d2", "conv1", "gn", "bn", "silu", "relu_", "res",
+                               "scale", "pool"])
+            if kind.startswith("conv"):
+                k, d = {"conv3": (3, 1), "conv5": (5, 1), "conv3d2": (3, 2), "conv1": (1, 1)}[kind]
+                layers.append(nn.Conv2d(c, c, k, padding=d * (k - 1) // 2, dilation=d, groups=rng.choice([1, 2])))
+            elif kind == "gn":
+                layers.append(nn.GroupNorm(2, c))
+            elif kind == "bn":
+                layers.append(nn.BatchNorm2d(c))
+            else:
+                layers.append(nn.Identity())
+            self.kinds.append(kind)
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x):
+        skip = x
+        for kind, layer in zip(self.kinds, self.layers):
+            if kind == "silu":
+                x = F.silu(x)
+            elif kind == "relu_":
+                x = F.relu(x.clone(), inplace=True)
+            elif kind == "res":
+                x, skip = x + skip, x
+            elif kind == "scale":
+                x = x * 0.5 + 1.0
+            elif kind == "pool":
+                x = F.avg_pool2d(x, 3, stride=1, padding=1)
+            else:
+                x = layer(x)
+        return x
+
+
+def _random_case(mesh_shape, placements, seeds):
+    import copy
+
+    m = mesh(mesh_shape)
+    out = []
+    for seed in seeds:
+        depth = (2, 3, "auto")[seed % 3]
+        ref = _Random(seed).double()
+        model = _distribute(copy.deepcopy(ref), m)
+        torch.manual_seed(seed + 1)
+        h = 5 + seed % 13
+        x = torch.randn(2, 4, h, 3 + seed % 4, dtype=torch.float64)
+        err = _run(m, model, ref, x, [Shard(int(p[1:])) for p in placements], depth,
+                   loss_fn=lambda y: (y * y.detach().sin()).sum())[0]
+        out.append((seed, ref.kinds, err))
+    return out
+
+
+@pytest.mark.parametrize("mesh_shape,placements", [((2,), ["S2"]), ((3,), ["S2"]), ((4,), ["S2"]),
+                                                   ((2, 2), ["S2", "S3"])], ids=["2", "3", "4", "2x2"])
+def test_random_chains_exact(mesh_shape, placements):
+    import math
+
+    seeds = list(range(8 * math.prod(mesh_shape), 8 * math.prod(mesh_shape) + 8))
+    for res in run_distributed(_random_case, math.prod(mesh_shape), mesh_shape, placements, seeds, timeout=300):
+        bad = [r for r in res if not r[2] < 1e-10]
+        assert not bad, bad
