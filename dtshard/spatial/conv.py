@@ -380,7 +380,7 @@ def convolution_handler(op, args, kwargs):
     binding, mode table or window arithmetic per call."""
     plan, bound = _cached_plan(_conv_plans_cache, _conv_key(args, kwargs), _plan_convolution, op, args, kwargs)
     x, w, bias, _, _, _, transposed, output_padding, groups = bound
-    if x._spec.halo and x.__dict__.get("_dtshard_halo_v") != x._version:
+    if SL.stale(x):
         SL.fresh(x)  # written in place since: its halo is dropped (so a new plan key)
         return convolution_handler(op, args, kwargs)
     if plan.halo is not None:
@@ -658,7 +658,7 @@ def convolution_backward_handler(op, args, kwargs):
                                op, args, kwargs)
     g, x, w = bound[0], bound[1], bound[2]
     transposed, groups = bound[7], bound[9]
-    if any(t._spec.halo and t.__dict__.get("_dtshard_halo_v") != t._version for t in (g, x)):
+    if SL.stale(g) or SL.stale(x):
         SL.fresh(g), SL.fresh(x)  # written in place since: their halos are dropped (a new plan key)
         return convolution_backward_handler(op, args, kwargs)
     if plan.halo is not None:

@@ -273,11 +273,16 @@ def demote_(dt) -> None:
 _V = "_dtshard_halo_v"
 
 
+def stale(dt) -> bool:
+    """Has an op written into ``dt`` (or an alias of it) since its halo was made?"""
+    return bool(dt._spec.halo) and dt.__dict__.get(_V) != dt._version
+
+
 def fresh(dt) -> None:
     """Drop ``dt``'s halo in place when an op wrote into ``dt`` (or into a tensor it aliases,
     which shares its version counter) since the halo was made: the owned rows are then current
     but the neighbours' copies may not be.  Every op that reads halo rows calls this first."""
-    if dt._spec.halo and dt.__dict__.get(_V) != dt._version:
+    if stale(dt):
         demote_(dt)
 
 
