@@ -58,6 +58,24 @@ class config:
     #: asynchronous all_reduce per bucket (``dtshard.grad_buckets``; DDP's 25 MiB); 0: one
     #: collective per gradient, right away.
     grad_bucket_bytes: int = 25 * 2**20
+    #: Pipelined packing (dtshard.redistribute): a single-mesh-dim all_gather, reduce_scatter or
+    #: all_to_all that needs a packing or unpacking copy (a tensor dim other than 0) and whose
+    #: largest local buffer holds at least twice this many bytes is cut into ``bytes //
+    #: pipeline_chunk_bytes`` pieces (at most ``pipeline_max_chunks``); each piece's collective is
+    #: on the wire while the next piece is packed and the previous one unpacked.  The same plan,
+    #: the same bytes (reported as one collective), each element copied once each way.  0: off.
+    #: Only on meshes whose device type is in ``pipeline_device_types``: "cuda" by default (the
+    #: collective runs on its own engine there); not "cpu": on gloo the copies compete with gloo's
+    #: own threads for the cores and the pieces were measured slower than one collective
+    #: (benchmarks/README.md, "Pipelined packing").
+    pipeline_chunk_bytes: int = 4 * 2**20
+    pipeline_max_chunks: int = 8
+    pipeline_device_types: tuple = ("cuda",)
+    #: A ``ColwiseParallel`` / ``RowwiseParallel`` ``nn.Linear`` runs each eager call as ONE
+    #: autograd node over local tensors when it can (``dtshard.parallel._linear``: the same
+    #: collectives and values as the per-op path, a fraction of its Python); False: always the
+    #: per-op path (benchmarks compare the two).
+    tp_linear_fast_path: bool = True
     #: A spatially sharded convolution (one sharded dim) overlaps its halo exchanges with compute:
     #: in backward the input window for the weight gradient travels while the input gradient is
     #: computed; in forward (``halo_overlap_forward``) the output rows that need no halo are

@@ -28,6 +28,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
+from dtshard.parallel._linear import TPLinearCall
 from dtshard.tensor import DTensor, distribute_module, distribute_tensor
 
 __all__ = [
@@ -77,7 +78,15 @@ class ParallelStyle(ABC):
             self._distribute_param(module, name, device_mesh, placement)
 
     def _distribute_with_hooks(self, module: nn.Module, device_mesh: DeviceMesh, partition_fn) -> nn.Module:
-        """distribute_module with this style's input and output hooks (Colwise/Rowwise)."""
+        """distribute_module with this style's input and output hooks (Colwise/Rowwise).
+
+        An ``nn.Linear`` gets them inside its forward instead (:class:`TPLinearCall`): the whole
+        module call is then planned once per layout and runs as ONE autograd node in eager mode
+        when it can (``dtshard/parallel/_linear.py``), and as the hooks would run it otherwise."""
+        if isinstance(module, nn.Linear):
+            distribute_module(module, device_mesh, partition_fn)
+            module.forward = TPLinearCall(module, self, device_mesh)
+            return module
         return distribute_module(
             module,
             device_mesh,
