@@ -132,10 +132,11 @@ def _fsdp_tp_mixed_precision(steps: int = 4):
             o.zero_grad()
             losses.append(loss.full_tensor().item())
         rows.append(tuple(losses))
-    err = max((a.full_tensor() - b.full_tensor()).abs().max().item()
-              for a, b in zip(ours.parameters(), theirs.parameters()))
+    diffs = [(a.full_tensor() - b.full_tensor()).abs() for a, b in zip(ours.parameters(), theirs.parameters())]
+    err = max(d.max().item() for d in diffs)
+    mean_err = sum(d.sum().item() for d in diffs) / sum(d.numel() for d in diffs)
     dtypes = {str(p.dtype) for p in ours.parameters()}
-    return rows, err, dtypes
+    return rows, (err, mean_err), dtypes
 
 
 def test_fsdp_times_tp_mixed_precision_matches_torch():
@@ -143,4 +144,11 @@ def test_fsdp_times_tp_mixed_precision_matches_torch():
         assert dtypes == {"torch.float32"}  # parameters and optimizer state keep their dtype
         for ours, theirs in rows:
             assert abs(ours - theirs) <= 2e-3 * abs(theirs), rows  # bf16 compute
-        assert err < 2e-2, err
+        # bf16 gradients round differently in the two programs (and with the CPU's bf16 matmul
+        # kernels: AMX or not), and AdamW's first steps move each weight by about lr whatever the
+        # gradient's size, so a gradient near zero whose sign differs moves one weight by up to
+        # ~2 lr a step: bound the largest difference by that, and the mean (where every weight
+        # counts) tightly
+        err, mean_err = err
+        assert err <= 2 * LR * len(rows), err
+        assert mean_err < 1e-4, mean_err
