@@ -243,11 +243,36 @@ def _reload_handlers() -> None:
         for op, fn in registry.handlers.items()})
 
 
-def _registry_changed(*, plans: bool = True) -> None:
-    """The registry changed: reload the handler table, and forget the plans unless no rule changed."""
+def _registry_changed(*, plans: bool = True, only=None) -> None:
+    """The registry changed: reload the handler table, and forget the plans unless no rule
+    changed; ``only``: just these ops' handlers were swapped (``registry.scoped_handlers``)."""
+    _scalar_types.clear()
+    if only is not None:
+        for op in only:
+            fn = registry.handlers.get(op)
+            if fn is None:
+                _handlers.pop(id(op), None)
+            else:
+                _handlers[id(op)] = _guarded(fn, op in registry.strided_handlers or op not in registry._entries,
+                                             op in registry.halo_handlers)
+        return
     _reload_handlers()
     if plans:
         clear_cache()
+
+
+_NUMBER_TYPES = (int, float, bool, complex)
+#: id(op) -> True when the cache key takes the TYPE of each number argument instead of its value
+#: (the op's rule says it never reads the values: ``register_rule(scalar_values=False)``)
+_scalar_types: dict[int, bool] = {}
+
+
+def _keys_scalar_types(op) -> bool:
+    hit = _scalar_types.get(id(op))
+    if hit is None:
+        entry, _mode = lookup(op)
+        hit = _scalar_types[id(op)] = entry is not None and not entry.scalar_values
+    return hit
 
 
 registry._on_change.append(_registry_changed)
@@ -285,7 +310,7 @@ def _unwrap(op, a, dts: list, key: list, DT) -> Any:
             return type(a)(_unwrap(op, b, dts, key, DT) for b in a)
         key.append(tuple(a))
         return a
-    key.append(a)
+    key.append(type(a) if type(a) in _NUMBER_TYPES and _keys_scalar_types(op) else a)
     return a
 
 
@@ -323,6 +348,9 @@ def dispatch(op, args: tuple, kwargs: dict):
     largs: list = []
     pos: list = []  # index in largs of each DTensor arg
     dts: list = []
+    types_only = _scalar_types.get(id(op))
+    if types_only is None:
+        types_only = _keys_scalar_types(op)
     for a in args:
         if isinstance(a, DT):
             key.append(a._spec)
@@ -338,13 +366,13 @@ def dispatch(op, args: tuple, kwargs: dict):
             key.append(tuple(a))
             largs.append(a)
         else:
-            key.append(a)
+            key.append(type(a) if types_only and type(a) in _NUMBER_TYPES else a)
             largs.append(a)
     for k, v in kwargs.items():
         if isinstance(v, (torch.Tensor, list, tuple)):
             return _dispatch_general(op, args, kwargs)
         key.append(k)
-        key.append(v)
+        key.append(type(v) if types_only and type(v) in _NUMBER_TYPES else v)
     try:
         plan = _cache.get(tuple(key))
     except TypeError:

@@ -88,6 +88,10 @@ class RuleEntry:
     #: a handler that takes DTensors carrying a halo (:mod:`dtshard.spatial`) as they are; any
     #: other handler gets them without (the dispatcher drops the halo first)
     keeps_halo: bool = False
+    #: False: the rule and its ``meta`` read only the TYPES of the op's number arguments (int,
+    #: float, bool, complex), never their values, so the dispatcher keys its plan cache on the
+    #: types (see :func:`register_rule`)
+    scalar_values: bool = True
 
 
 _entries: dict[torch._ops.OpOverload, RuleEntry] = {}
@@ -105,8 +109,22 @@ _on_change: list[Callable[[], None]] = []
 _scoped: list[dict] = []
 
 
-def _changed(*, plans: bool = True) -> None:
-    """Rebuild the handler table; ``plans=False``: no rule changed, cached plans stay valid."""
+def _changed(*, plans: bool = True, only=None) -> None:
+    """Rebuild the handler table; ``plans=False``: no rule changed, cached plans stay valid;
+    ``only``: just these ops' handlers changed (a scoped swap), rebuild their entries alone."""
+    if only is not None:
+        for op in only:
+            e = _entries.get(op)
+            fn = e.fn if e is not None and e.kind == "handler" else None
+            for scope in _scoped:
+                fn = scope.get(op, fn)
+            if fn is None:
+                handlers.pop(op, None)
+            else:
+                handlers[op] = fn
+        for fn in _on_change:
+            fn(plans=False, only=only)
+        return
     handlers.clear()
     handlers.update({op: e.fn for op, e in _entries.items() if e.kind == "handler"})
     strided_handlers.clear()
@@ -124,7 +142,8 @@ def _where(fn: Callable) -> str:
     return f"{code.co_filename}:{code.co_firstlineno}" if code else repr(fn)
 
 
-def _register(ops, fn, kind, shape_args=None, local=None, meta=None, keeps_strided=False, keeps_halo=False) -> None:
+def _register(ops, fn, kind, shape_args=None, local=None, meta=None, keeps_strided=False, keeps_halo=False,
+              scalar_values=True) -> None:
     if isinstance(ops, torch._ops.OpOverload):
         ops = [ops]
     for op in ops:
@@ -139,7 +158,7 @@ def _register(ops, fn, kind, shape_args=None, local=None, meta=None, keeps_strid
                 f"Edit that one, or use dtshard.registry.override() in tests."
             )
         _entries[op] = RuleEntry(op, fn, kind, dict(shape_args or {}), _where(fn), local, meta, keeps_strided,
-                                 keeps_halo)
+                                 keeps_halo, scalar_values)
     _changed()
 
 
@@ -149,6 +168,7 @@ def register_rule(
     shape_args: dict[int, int] | None = None,
     local: Callable | None = None,
     meta: Callable | None = None,
+    scalar_values: bool = True,
 ) -> Callable[[RuleFn], RuleFn]:
     """Decorator: register ``fn(call: OpCall) -> [(output_placements, input_placements), ...]``
     as the single-mesh-dim sharding rule of one op overload (or a list of them).
@@ -162,11 +182,16 @@ def register_rule(
     distinct local shape, which is most of the cost of a cache miss.  Give it only where the math
     is simple and certain (pointwise broadcasting, matmul): the OpInfo sweep compares it with the
     meta kernel on every sample (``propagate.config.verify_meta``).
+    ``scalar_values=False``: the rule (and ``meta``) never read the VALUES of the op's number
+    arguments, only their types, so calls that differ only in a number (a learning rate that an
+    optimizer or a scheduler changes every step, Adam's bias corrections) share one cached plan
+    instead of planning again.  The default keys every argument by value: a rule that reads a
+    number (``masked_fill``'s fill value decides which Partial it keeps) must keep it.
     Registering a second rule for the same op raises: use :func:`override` to swap one in tests.
     """
 
     def deco(fn: RuleFn) -> RuleFn:
-        _register(ops, fn, "rule", shape_args, local, meta)
+        _register(ops, fn, "rule", shape_args, local, meta, scalar_values=scalar_values)
         return fn
 
     return deco
@@ -211,7 +236,7 @@ def scoped_handlers(mapping: dict) -> Iterator[None]:
     (handlers are consulted before the plan cache), so nothing is re-planned on entry or exit."""
     scope = dict(mapping)
     _scoped.append(scope)
-    _changed(plans=False)
+    _changed(plans=False, only=scope)
     try:
         yield
     finally:
@@ -219,7 +244,7 @@ def scoped_handlers(mapping: dict) -> Iterator[None]:
             if _scoped[k] is scope:
                 del _scoped[k]
                 break
-        _changed(plans=False)
+        _changed(plans=False, only=scope)
 
 
 def get_entry(op: torch._ops.OpOverload) -> RuleEntry | None:

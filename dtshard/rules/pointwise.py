@@ -196,7 +196,12 @@ def pointwise_meta(call: OpCall):
 
 
 _POINTWISE = sorted({*_pointwise_ops(), *_EXTRA} - _ELSEWHERE, key=str)
-register_rule(_POINTWISE, meta=pointwise_meta)(pointwise_rule)
+# the rule reads no number's value (masked_fill.Scalar's fill value aside: zero keeps Partial(sum))
+# and pointwise_meta's dtypes follow the numbers' types: plans are keyed on the types
+_VALUE_READ = {aten.masked_fill.Scalar}
+register_rule([op for op in _POINTWISE if op not in _VALUE_READ], meta=pointwise_meta,
+              scalar_values=False)(pointwise_rule)
+register_rule([op for op in _POINTWISE if op in _VALUE_READ], meta=pointwise_meta)(pointwise_rule)
 
 
 def register_compile_prims() -> None:
