@@ -83,6 +83,27 @@ def count_comms(fn):
     return out
 
 
+def count_ops(fn):
+    """Run fn() once, counting the aten ops that reach DTensor.__torch_dispatch__ (a dispatch
+    mode would count them too, but dtshard's tensor-parallel linears step aside under any mode,
+    so the count would be of another program): {"total": n, "by_op": {op: n}}."""
+    from collections import Counter
+
+    counts: Counter = Counter()
+    orig = dtshard.DTensor.__dict__["__torch_dispatch__"]
+
+    def counting(cls, func, types, args=(), kwargs=None):
+        counts[str(func)] += 1
+        return orig.__func__(cls, func, types, args, kwargs)
+
+    dtshard.DTensor.__torch_dispatch__ = classmethod(counting)
+    try:
+        fn()
+    finally:
+        dtshard.DTensor.__torch_dispatch__ = orig
+    return {"total": sum(counts.values()), "by_op": dict(counts.most_common())}
+
+
 # --- minimal tensor parallelism (torch.distributed.tensor.parallel semantics) -----------------
 class ColwiseParallel:
     """nn.Linear: weight Shard(0), bias Shard(0); input a plain tensor taken as Replicate;
@@ -147,6 +168,6 @@ VERSION = (f"dtshard {getattr(dtshard, '__version__', '?')} ({os.path.dirname(dt
 __all__ = [
     "NAME", "VERSION", "DTensor", "DeviceMesh", "Partial", "Replicate", "Shard",
     "distribute_tensor", "init_device_mesh", "redistribute", "from_local", "to_local",
-    "full_tensor", "clear_caches", "cache_stats", "count_comms",
+    "full_tensor", "clear_caches", "cache_stats", "count_comms", "count_ops",
     "ColwiseParallel", "RowwiseParallel", "parallelize_module",
 ]
