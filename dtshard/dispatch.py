@@ -339,6 +339,10 @@ def dispatch(op, args: tuple, kwargs: dict):
     lists, plain 0-d tensors, tensor kwargs) goes through :func:`_dispatch_general`, which builds
     the same key.
     """
+    if op is _DETACH and not _observers:  # every step, for every parameter (AccumulateGrad)
+        out = _detach(args[0])
+        if out is not None:
+            return out
     # ops are process-lifetime singletons and OpOverload.__hash__ is Python-level: key by id
     handler = _handlers.get(id(op))
     if handler is not None:
@@ -403,6 +407,22 @@ def dispatch(op, args: tuple, kwargs: dict):
     if type(out) is torch.Tensor:
         return DT(out, plan.out_specs[0], requires_grad=False)
     return _wrap(out, iter(plan.out_specs), DT)
+
+
+_DETACH = torch.ops.aten.detach.default
+
+
+def _detach(a):
+    """``detach`` of a plain-layout DTensor: the same spec over the detached shard (what its plan,
+    the identity rule, gives), without the plan lookup; None: take the general path (a halo, or
+    inference mode, where :func:`_wrap_view` decides how the wrapper is made)."""
+    if type(a) is not _DT or a._spec.halo or torch.is_inference_mode_enabled():
+        return None
+    out = _DT(a._local_tensor.detach(), a._spec, requires_grad=False)
+    if a._copied_view is not None:
+        out._copied_view = a._copied_view
+    _stats["hits"] += 1
+    return out
 
 
 def _note_view(op, plan, base, res) -> None:
