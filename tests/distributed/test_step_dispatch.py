@@ -1,4 +1,4 @@
-"""What the dispatcher's plan cache is keyed on, where it matters for a training step.
+"""What a training step dispatches: the plan cache's keys, and the gradients' layout.
 
 - Pointwise ops key their number arguments by TYPE (``register_rule(scalar_values=False)``): an
   optimizer whose learning rate or bias corrections change every step plans its ops once, not
@@ -6,6 +6,9 @@
   float scalar promote differently), and ``masked_fill.Scalar``, whose rule reads the fill value
   (zero keeps a Partial(sum) input Partial, anything else does not), still keys it by value.
 - ``loss_parallel()`` swaps two handlers on entry and exit without dropping any cached plan.
+- A gradient that arrives transposed (``x @ w.t()``'s weight gradient) is copied into the
+  leaf's layout once by the leaf's hook, not by AccumulateGrad's three dispatched ops; a second
+  accumulation adds into the existing gradient; values equal single-process PyTorch's.
 """
 
 from __future__ import annotations
@@ -78,3 +81,45 @@ def test_number_arguments_key_by_type_where_the_rule_reads_no_value():
         zero_pl, five_pl, zero_ok, five_ok = res["masked_fill"]
         assert zero_pl == (Partial(),) and five_pl != (Partial(),) and zero_ok and five_ok, res
         assert res["loss_parallel"] == (0, True), res
+
+
+def _grad_layout():
+    from collections import Counter
+
+    mesh = dtshard.init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    torch.manual_seed(0)
+    w_full = torch.randn(6, 4)
+    x = torch.randn(3, 4)
+    w = dtshard.distribute_tensor(w_full, mesh, [Shard(0)]).requires_grad_()
+    seen = Counter()
+    orig = dtshard.DTensor.__dict__["__torch_dispatch__"]
+
+    def counting(cls, func, types, args=(), kwargs=None):
+        seen[str(func)] += 1
+        return orig.__func__(cls, func, types, args, kwargs)
+
+    dx = dtshard.distribute_tensor(x, mesh, [Replicate()])
+    c = torch.randn(3, 6)
+    dc = dtshard.distribute_tensor(c, mesh, [Shard(1)])  # the output's gradient, column-sharded
+    dtshard.DTensor.__torch_dispatch__ = classmethod(counting)
+    try:
+        (dx @ w.t()).backward(dc)  # the weight's gradient is mm(x.t(), g).t(): Shard(0), transposed
+    finally:
+        dtshard.DTensor.__torch_dispatch__ = orig
+    first = (w.grad.stride(), w.grad._local_tensor.is_contiguous(), w.grad.full_tensor().clone(),
+             tuple(w.grad.placements))
+    (dx @ w.t()).backward(dc * 2)  # accumulates into the existing gradient
+    wr = w_full.clone().requires_grad_()
+    (x @ wr.t()).backward(c)
+    g1 = wr.grad.clone()
+    (x @ wr.t()).backward(c * 2)
+    return {"stride": first[0], "contiguous": first[1], "first": torch.allclose(first[2], g1), "placements": first[3],
+            "copies": seen["aten.new_empty_strided.default"] + seen["aten.copy_.default"],
+            "second": torch.allclose(w.grad.full_tensor(), wr.grad)}
+
+
+def test_transposed_gradient_is_laid_out_once_by_the_leaf_hook():
+    for res in run_distributed(_grad_layout, 2, timeout=120):
+        assert res["stride"] == (4, 1) and res["contiguous"] and res["placements"] == (Shard(0),), res
+        assert res["copies"] == 0, res
+        assert res["first"] and res["second"], res
