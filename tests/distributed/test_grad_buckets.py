@@ -60,3 +60,35 @@ def test_partial_gradients_reduce_in_buckets():
             for name, (placements, full) in grads.items():
                 assert placements == grads0[name][0], (name, placements, grads0[name][0])
                 assert torch.equal(full, grads0[name][1]), name  # the same sums, bit for bit
+
+
+def _compiled_step():
+    """torch.compile(model): the forward and backward graphs run compiled, the Partial gradients
+    they return are bucketed like eager ones (one all_reduce for the bucket after the graph)."""
+    mesh = dtshard.init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    base = Transformer(LlamaConfig())
+    eager = parallelize(copy.deepcopy(base), mesh, dtshard.parallel, local_output=True)
+    model = parallelize(copy.deepcopy(base), mesh, dtshard.parallel, local_output=True)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(7))
+    out = {}
+    for name, m, owner in (("eager", eager, eager), ("compiled", compiled, model)):
+        for _ in range(2):  # the second step runs the cached graphs
+            owner.zero_grad(set_to_none=True)
+            with dtshard.parallel.loss_parallel():
+                loss = F.cross_entropy(m(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten(0, 1))
+                with CommCounter() as bwd:
+                    loss.backward()
+        out[name] = (sum(1 for r in bwd.records if r.op == "<grad bucket>"),
+                     {n: (str(p.grad.placements), p.grad.full_tensor()) for n, p in owner.named_parameters()})
+    return out
+
+
+def test_compiled_model_gradients_reduce_in_one_bucket():
+    for res in run_distributed(_compiled_step, 2, timeout=300):
+        (b_eager, g_eager), (b_comp, g_comp) = res["eager"], res["compiled"]
+        assert b_eager == 1 and b_comp == 1, (b_eager, b_comp)
+        for name, (placements, full) in g_comp.items():
+            assert placements == g_eager[name][0], (name, placements)
+            torch.testing.assert_close(full, g_eager[name][1], msg=name)
