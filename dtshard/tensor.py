@@ -663,8 +663,10 @@ def _runtime_entry_points() -> list:
     tracer inlines."""
     from dtshard import dispatch as _dispatch
     from dtshard import grad_buckets as _buckets
+    from dtshard.parallel import _linear
 
     return [
+        _linear.TPLinearCall.__call__, _linear._TPLinearFn.forward, _linear._TPLinearFn.backward,
         DTensor.__torch_dispatch__, _dispatch.dispatch, _dispatch._dispatch_general,
         DTensor.__new__, DTensor.__tensor_flatten__, DTensor.__tensor_unflatten__,
         DTensor.__coerce_same_metadata_as_tangent__, DTensor.__coerce_tangent_metadata__,
