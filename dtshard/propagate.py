@@ -64,13 +64,15 @@ class config:
     #: pipeline_chunk_bytes`` pieces (at most ``pipeline_max_chunks``); each piece's collective is
     #: on the wire while the next piece is packed and the previous one unpacked.  The same plan,
     #: the same bytes (reported as one collective), each element copied once each way.  0: off.
-    #: Only on meshes whose device type is in ``pipeline_device_types``: "cuda" by default (the
-    #: collective runs on its own engine there); not "cpu": on gloo the copies compete with gloo's
-    #: own threads for the cores and the pieces were measured slower than one collective
-    #: (benchmarks/README.md, "Pipelined packing").
-    pipeline_chunk_bytes: int = 4 * 2**20
+    #: Only on meshes whose device type is in ``pipeline_device_types``.  8 MiB pieces: measured on
+    #: 2 and 4 CPU/gloo ranks (benchmarks/bench_pipeline.py, benchmarks/README.md "Pipelined
+    #: packing"), 2 pieces of a 16 MiB S1->R or P->S1 took 0.7-0.9x the time of one collective,
+    #: while pieces of 4 MiB or less gained nothing (8 MiB transfers) or lost (8 pieces; the
+    #: pairwise all_to_all pieces on 4 ranks).  On CUDA (NCCL) the same size is kept unmeasured:
+    #: NCCL reaches its bandwidth well below 8 MiB a message.
+    pipeline_chunk_bytes: int = 8 * 2**20
     pipeline_max_chunks: int = 8
-    pipeline_device_types: tuple = ("cuda",)
+    pipeline_device_types: tuple = ("cpu", "cuda")
     #: A ``ColwiseParallel`` / ``RowwiseParallel`` ``nn.Linear`` runs each eager call as ONE
     #: autograd node over local tensors when it can (``dtshard.parallel._linear``: the same
     #: collectives and values as the per-op path, a fraction of its Python); False: always the
@@ -595,6 +597,14 @@ def _check_local(op, meta_args, meta_kwargs, in_specs, out_specs, mesh_shape, sh
         o is None or all(not is_shard(p) for p in o.placements) for o in out_specs
     ):
         return True  # nothing is sharded: local shapes equal global shapes, checked already
+    if any(type(d) is torch.SymInt for s in in_specs for d in s.shape):
+        raise NotImplementedError(
+            f"dtshard: {op} on sharded DTensors of symbolic (dynamic) global shapes "
+            f"{[tuple(s.shape) for s in in_specs]} with placements "
+            f"{[placements_str(s.placements) for s in in_specs]} on mesh {tuple(mesh_shape)}: the local-shape "
+            "check needs concrete shapes. Compile with torch.compile(..., dynamic=False), or mark the "
+            "inputs static (torch._dynamo.mark_static); a recompilation (e.g. a second model of the same "
+            "class) otherwise turns the changed sizes dynamic.")
     seen = set()
     dtypes = [s.dtype for s in in_specs]
     for coord in itertools.product(*(range(n) for n in mesh_shape)):
