@@ -595,3 +595,73 @@ def all_reduce_(x: torch.Tensor, op: str, mesh: DeviceMesh, mesh_dim: int, *, as
     opts = dist.AllreduceOptions()
     opts.reduceOp = _REDUCE_OPS[op]
     return _finish(pg.allreduce([x], opts), async_op)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pieces of one pipelined transfer (``dtshard.redistribute``'s pipelined packing).  Eager only,
+# on plain tensors (:func:`can_pipeline`): each call issues ONE asynchronous collective over one
+# mesh dim on contiguous caller-given buffers and returns the backend's work handle (``.wait()``).
+# They are not reported to the observers one by one: the caller reports the whole transfer once,
+# with :func:`report_transfer` and the bytes of the un-pipelined collective, so a CommCounter sees
+# one collective and the same bytes whichever path ran.
+# ---------------------------------------------------------------------------------------------
+
+
+def can_pipeline(x: torch.Tensor) -> bool:
+    """May a transfer of ``x`` be cut into asynchronous pieces?  Eagerly only: a plain (not
+    complex: gloo has no complex dtypes) tensor, no dispatch mode, not while torch.compile traces,
+    and not inside :class:`in_flight` (whose caller wants the collective's result unwaited)."""
+    return (type(x) is torch.Tensor and not x.is_complex() and not _in_flight[0]
+            and _current_mode() is None and not torch.compiler.is_compiling())
+
+
+def _piece_check(what: str, ok: bool, detail: str, mesh: DeviceMesh, mesh_dim: int) -> None:
+    if not ok:
+        raise ValueError(f"{what}: {detail} (mesh dim {mesh_dim} of mesh {tuple(mesh.shape)})")
+
+
+def start_all_gather(out: torch.Tensor, x: torch.Tensor, mesh: DeviceMesh, mesh_dim: int):
+    """Issue an all_gather of ``x`` (made contiguous) into the contiguous ``out`` (``n * x.numel()``
+    elements, member ``r``'s piece at block ``r``); returns the work handle.  Not reported."""
+    n = group_size(mesh, mesh_dim)
+    _piece_check("start_all_gather", out.is_contiguous() and out.numel() == n * x.numel() and out.dtype == x.dtype,
+                 f"output {tuple(out.shape)} {out.dtype} cannot hold {n} pieces {tuple(x.shape)} {x.dtype}",
+                 mesh, mesh_dim)
+    return _pg_all_gather(_group_object(mesh, mesh_dim), out.view(-1), x.contiguous().view(-1), True)
+
+
+def start_reduce_scatter(out: torch.Tensor, x: torch.Tensor, op: str, mesh: DeviceMesh, mesh_dim: int):
+    """Issue a reduce_scatter of ``x`` (made contiguous; ``n * out.numel()`` elements, block ``r``
+    for member ``r``) into the contiguous ``out`` (a view of a larger tensor is fine); ``op``:
+    ``sum``, ``max``, ``min`` or ``product``.  Returns the work handle.  Not reported."""
+    n = group_size(mesh, mesh_dim)
+    _piece_check("start_reduce_scatter", op in _REDUCE_OPS, f"op {op!r} is not one of {sorted(_REDUCE_OPS)}",
+                 mesh, mesh_dim)
+    _piece_check("start_reduce_scatter",
+                 out.is_contiguous() and x.numel() == n * out.numel() and out.dtype == x.dtype,
+                 f"input {tuple(x.shape)} {x.dtype} does not split into {n} outputs {tuple(out.shape)} {out.dtype}",
+                 mesh, mesh_dim)
+    return _pg_reduce_scatter(_group_object(mesh, mesh_dim), out.view(-1), x.contiguous().view(-1), op, True)
+
+
+def start_all_to_all(out: torch.Tensor, x: torch.Tensor, output_split_sizes: Sequence[int],
+                     input_split_sizes: Sequence[int], mesh: DeviceMesh, mesh_dim: int):
+    """Issue ``all_to_all_single`` of the 1-D ``x`` (segment ``r`` of ``input_split_sizes[r]``
+    elements to member ``r``) into the contiguous 1-D ``out`` (segment ``r`` from member ``r``);
+    zero splits are allowed (a piece exchanged with some members only).  Returns the work
+    handle.  Not reported."""
+    _piece_check("start_all_to_all",
+                 x.dim() == 1 and out.dim() == 1 and out.is_contiguous() and out.dtype == x.dtype
+                 and x.numel() == sum(input_split_sizes) and out.numel() == sum(output_split_sizes),
+                 f"1-D buffers of {x.numel()} and {out.numel()} elements do not match splits "
+                 f"{list(input_split_sizes)} -> {list(output_split_sizes)}", mesh, mesh_dim)
+    return _group_object(mesh, mesh_dim).alltoall_base(out, x.contiguous(), list(output_split_sizes),
+                                                       list(input_split_sizes), dist.AllToAllOptions())
+
+
+def report_transfer(kind: str, mesh_dim, nbytes: int, group_size: int, recv: int | None = None) -> None:
+    """Report a transfer made of pieces (:func:`start_all_gather` and friends) to the observers
+    as the one collective of ``kind`` it replaces, with that collective's bytes (sent, and
+    received: by default what ``kind`` receives for ``nbytes`` sent)."""
+    if _observers:
+        _notify(kind, mesh_dim, nbytes, group_size, recv)

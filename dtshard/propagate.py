@@ -66,10 +66,10 @@ class config:
     #: the same bytes (reported as one collective), each element copied once each way.  0: off.
     #: Only on meshes whose device type is in ``pipeline_device_types``.  8 MiB pieces: measured on
     #: 2 and 4 CPU/gloo ranks (benchmarks/bench_pipeline.py, benchmarks/README.md "Pipelined
-    #: packing"), 2 pieces of a 16 MiB S1->R or P->S1 took 0.7-0.9x the time of one collective,
-    #: while pieces of 4 MiB or less gained nothing (8 MiB transfers) or lost (8 pieces; the
-    #: pairwise all_to_all pieces on 4 ranks).  On CUDA (NCCL) the same size is kept unmeasured:
-    #: NCCL reaches its bandwidth well below 8 MiB a message.
+    #: packing"), 2 pieces of a 16 MiB S1->R or P->S1 took 0.64-0.98x the time of one collective
+    #: in 9 of 10 runs (1.06x in the tenth), while pieces of 4 MiB or less gained nothing (8 MiB
+    #: transfers) or lost (8 pieces; pairwise all_to_all pieces on 4 ranks).  On CUDA (NCCL) the
+    #: same size, unmeasured here: NCCL reaches its bandwidth well below 8 MiB a message.
     pipeline_chunk_bytes: int = 8 * 2**20
     pipeline_max_chunks: int = 8
     pipeline_device_types: tuple = ("cpu", "cuda")
