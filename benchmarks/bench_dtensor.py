@@ -949,8 +949,10 @@ def section_train(impls, meshes, args, rank):
         # how many ops per step reach the subclass, and which collectives run
         for k in steps:
             if k.startswith("tp:"):
-                slot(k)["subclass_ops_per_step"] = _count_subclass_ops(steps[k])
                 I = next(I for I in impls if I.NAME == k[3:])
+                # the adapter's own count when it has one (a counting mode changes dtshard's path)
+                slot(k)["subclass_ops_per_step"] = (I.count_ops(steps[k]) if hasattr(I, "count_ops")
+                                                    else _count_subclass_ops(steps[k]))
                 slot(k)["comm_counts_per_step"] = _comm_counts(I, steps[k])
         results.append(row)
         if rank == 0 and args.verbose:
