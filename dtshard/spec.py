@@ -253,6 +253,19 @@ def placement_equal(a: Placement, b: Placement) -> bool:
     return a == b
 
 
+def placement_key(p: Placement) -> tuple:
+    """A plain, hashable value that two placements share exactly when ``placement_equal`` says
+    they are equal (the exact type first: a ``_StridedShard`` never equals a ``Shard``)."""
+    t = type(p)
+    if t is Shard:
+        return ("S", p.dim)
+    if t is Replicate:
+        return ("R",)
+    if t is Partial:
+        return ("P", p.reduce_op)
+    return (t.__name__, p)
+
+
 def placements_equal(a: Sequence[Placement], b: Sequence[Placement]) -> bool:
     return len(a) == len(b) and all(placement_equal(x, y) for x, y in zip(a, b))
 
@@ -322,33 +335,33 @@ class DTensorSpec:
     halo: tuple[Halo, ...] = ()
     halo_partial: bool = False
 
+    def _key(self) -> tuple:
+        """What equality compares, as one tuple of plain values (the mesh by identity, each
+        placement by exact type: ``placement_key``), built once, lazily (a spec built while
+        torch.compile traces may hold proxies), and kept as a plain attribute, not a dataclass
+        field (compile rebuilds specs from fields).  Specs are dispatch-cache keys: comparing
+        two equal specs is then one C-level tuple comparison instead of a Python walk."""
+        k = self.__dict__.get("_eqkey")
+        if k is None:
+            k = (mesh_identity(self.mesh), tuple(placement_key(p) for p in self.placements), self.shape,
+                 self.stride, self.dtype, self.halo, self.halo_partial)
+            object.__setattr__(self, "_eqkey", k)
+        return k
+
     def __hash__(self) -> int:
-        # computed once, lazily (a spec built while torch.compile traces may hold proxies), and
-        # kept as a plain attribute, not a dataclass field: compile rebuilds specs from fields
         h = self.__dict__.get("_hash")
         if h is None:
-            key = (mesh_identity(self.mesh), self.placements, self.shape, self.stride, self.dtype)
-            h = hash(key + (self.halo, self.halo_partial) if self.halo else key)
+            h = hash(self._key())
             object.__setattr__(self, "_hash", h)
         return h
 
     def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, DTensorSpec)
-            and hash(self) == hash(other)
-            and (self.mesh is other.mesh or mesh_identity(self.mesh) == mesh_identity(other.mesh))
-            and placements_equal(self.placements, other.placements)
-            and self.shape == other.shape
-            and self.stride == other.stride
-            and self.dtype == other.dtype
-            and self.halo == other.halo
-            and self.halo_partial == other.halo_partial
-        )
+        return self is other or (isinstance(other, DTensorSpec) and self._key() == other._key())
 
     def __getstate__(self) -> dict:
         # pickling (torch.save, deepcopy): the fields only.  The cached hash covers the mesh's
         # identity (its process group names), which a load in another process may not share.
-        return {k: v for k, v in self.__dict__.items() if k not in ("_hash", "_mesh_shape", "_has_strided")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_hash", "_eqkey", "_mesh_shape", "_has_strided")}
 
     # ---- derived metadata -------------------------------------------------------------------
     @property
