@@ -235,27 +235,28 @@ def clear_cache(*, plans: bool = True) -> None:
         _reload_handlers()
 
 
+def _handler_entry(op, fn):
+    """The dispatcher's table entry for ``op``'s handler ``fn`` (wrapped in its layout guards)."""
+    return _guarded(fn, op in registry.strided_handlers or op not in registry._entries, op in registry.halo_handlers)
+
+
 def _reload_handlers() -> None:
     _handlers.clear()
-    _handlers.update({
-        id(op): _guarded(fn, op in registry.strided_handlers or op not in registry._entries,
-                         op in registry.halo_handlers)
-        for op, fn in registry.handlers.items()})
+    _handlers.update({id(op): _handler_entry(op, fn) for op, fn in registry.handlers.items()})
 
 
 def _registry_changed(*, plans: bool = True, only=None) -> None:
     """The registry changed: reload the handler table, and forget the plans unless no rule
     changed; ``only``: just these ops' handlers were swapped (``registry.scoped_handlers``)."""
-    _scalar_types.clear()
     if only is not None:
         for op in only:
             fn = registry.handlers.get(op)
             if fn is None:
                 _handlers.pop(id(op), None)
             else:
-                _handlers[id(op)] = _guarded(fn, op in registry.strided_handlers or op not in registry._entries,
-                                             op in registry.halo_handlers)
+                _handlers[id(op)] = _handler_entry(op, fn)
         return
+    _scalar_types.clear()  # a rule may have changed: which ops key numbers by type
     _reload_handlers()
     if plans:
         clear_cache()

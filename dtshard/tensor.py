@@ -91,14 +91,14 @@ def _in_leaf_layout(spec: DTensorSpec, leaf_ref, grad: "DTensor"):
     AccumulateGrad would copy: a contiguous leaf without a gradient, no double backward.  Values
     never change, only the layout (so a wrong guess would cost a copy, never a result)."""
     gs = grad._spec
-    if torch.is_grad_enabled() or gs.halo or gs.shape != spec.shape or gs.dtype != spec.dtype \
+    if torch.is_grad_enabled() or gs.halo or spec.halo or gs.shape != spec.shape or gs.dtype != spec.dtype \
             or not placements_equal(gs.placements, spec.placements) or spec.stride != _contiguous_stride(spec.shape):
         return None
     leaf = leaf_ref()
     if leaf is None or leaf.grad is not None:
         return None
-    return DTensor(grad._local_tensor.contiguous(), DTensorSpec(gs.mesh, gs.placements, gs.shape, spec.stride, gs.dtype),
-                   requires_grad=False)
+    # the same layout as the leaf but for the strides: the leaf's own (contiguous) spec
+    return DTensor(grad._local_tensor.contiguous(), spec, requires_grad=False)
 
 
 def _promote_plain(t: torch.Tensor, mesh: DeviceMesh, placements=None, *, shape=None, what: str) -> "DTensor":

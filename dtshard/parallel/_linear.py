@@ -39,7 +39,7 @@ from dtshard import _trace
 from dtshard import collectives as C
 from dtshard.propagate import config
 from dtshard.redistribute import redistribute_local
-from dtshard.spec import DTensorSpec, mesh_identity
+from dtshard.spec import DTensorSpec, mesh_identity, normalize_placements
 from dtshard.tensor import DTensor, _contiguous_stride, _grad_placements
 
 __all__ = ["TPLinearCall", "LinearPlan"]
@@ -66,6 +66,9 @@ class LinearPlan:
     lin_spec: DTensorSpec
     out_spec: DTensorSpec
     gx_placements: tuple
+    g_lin_placements: tuple  # the local linear output's gradient: colwise Shard(-1), rowwise Replicate
+    gin_spec: DTensorSpec  # the local linear input's gradient: colwise Partial, rowwise Shard(-1)
+    gx_spec: DTensorSpec  # the module input's gradient (a DTensor input's)
     w_spec: DTensorSpec
     b_spec: Optional[DTensorSpec]
     local_output: bool
@@ -80,9 +83,16 @@ def _move(x: torch.Tensor, spec: DTensorSpec, placements) -> torch.Tensor:
     return x if tuple(placements) == spec.placements else redistribute_local(x, spec, placements)
 
 
-def _plain_or_shardlike(ps) -> bool:
-    """Replicate or plain Shard placements only (no Partial, no strided shard)."""
-    return all(type(p) is Replicate or type(p) is Shard for p in ps)
+def _plain_layout(ps, ndim: int):
+    """``ps`` with negative shard dims normalised for an ``ndim``-D tensor, when they are only
+    Replicate and plain Shard placements (no Partial, no strided shard) of a 1-D mesh; else None
+    (the per-op path decides, and raises its own error for a bad placement)."""
+    if not all(type(p) is Replicate or type(p) is Shard for p in ps):
+        return None
+    try:
+        return normalize_placements(ps, ndim, 1, what="parallel style")
+    except ValueError:
+        return None
 
 
 class _TPLinearFn(torch.autograd.Function):
@@ -117,9 +127,7 @@ class _TPLinearFn(torch.autograd.Function):
             if grad._spec.placements != plan.out_spec.placements:
                 grad = grad.redistribute(grad.device_mesh, plan.out_spec.placements)
             grad = grad._local_tensor
-        # the gradient of the local linear's output: colwise Shard(-1); rowwise (Partial) Replicate
-        lin_grad = plan.lin_spec.placements if plan.colwise else _grad_placements(plan.lin_spec.placements)
-        g = _move(grad, _spec(plan.out_spec, plan.out_spec.placements), lin_grad)
+        g = _move(grad, plan.out_spec, plan.g_lin_placements)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         gx = gw = gb = None
         g2 = g.reshape(-1, g.shape[-1])
@@ -128,12 +136,9 @@ class _TPLinearFn(torch.autograd.Function):
         if need_b and ctx.has_bias:
             gb = DTensor(g2.sum(0), plan.b_spec, requires_grad=False)
         if need_x:
-            # colwise: Partial (each rank's output columns contribute); rowwise: Shard(-1)
-            gin = g.matmul(w)
-            in_grad = ((Partial(),) * len(plan.in_spec.placements)) if plan.colwise else plan.in_spec.placements
-            gx = _move(gin, _spec(plan.in_spec, in_grad), plan.gx_placements)
+            gx = _move(g.matmul(w), plan.gin_spec, plan.gx_placements)
             if plan.x_is_dtensor:
-                gx = DTensor(gx, _spec(plan.x_spec, plan.gx_placements), requires_grad=False)
+                gx = DTensor(gx, plan.gx_spec, requires_grad=False)
         return gx, gw, gb, None
 
 
@@ -213,18 +218,18 @@ class TPLinearCall:
         if x.dtype != w.dtype or x.dim() < 2 or len(ws.shape) != 2:
             return None
         nd = x.dim()
-        want_in = tuple(Shard(nd - 1) if type(p) is Shard and p.dim == -1 else p for p in style.desired_input_layouts)
-        out = tuple(Shard(p.dim % nd) if type(p) is Shard else p for p in style.output_layouts)
-        if not _plain_or_shardlike(out) or not _plain_or_shardlike(want_in):
+        want_in = _plain_layout(style.desired_input_layouts, nd)
+        out = _plain_layout(style.output_layouts, nd)
+        if want_in is None or out is None:
             return None
         if type(x) is DTensor:
             xs = x._spec
-            if mesh_identity(xs.mesh) != mesh_identity(mesh) or not _plain_or_shardlike(xs.placements):
+            if mesh_identity(xs.mesh) != mesh_identity(mesh) or _plain_layout(xs.placements, nd) is None:
                 return None
             x_spec, x_is_dt = xs, True
         else:
-            ins = tuple(Shard(p.dim % nd) if type(p) is Shard else p for p in style.input_layouts)
-            if not _plain_or_shardlike(ins):
+            ins = _plain_layout(style.input_layouts, nd)
+            if ins is None:
                 return None
             shape = list(x.shape)  # even shards, as from_local assumes without shape=
             if type(ins[0]) is Shard:
@@ -244,13 +249,14 @@ class TPLinearCall:
                 return None  # a bias added after a reduce_scatter of the feature dim: general path
             lin_spec = DTensorSpec(mesh, (Partial(),), yshape, _contiguous_stride(yshape), x.dtype)
         out_spec = _spec(lin_spec, out)
-        if x_is_dt and x_spec.placements == want_in:
-            gx = (Partial(),) if self.colwise else want_in
-        else:
-            gx = _grad_placements(x_spec.placements)
+        # colwise: the input's gradient is Partial (each rank's output columns contribute)
+        gin = (Partial(),) if self.colwise else want_in
+        gx = gin if x_is_dt and x_spec.placements == want_in else _grad_placements(x_spec.placements)
         return LinearPlan(
             colwise=self.colwise, x_is_dtensor=x_is_dt, x_spec=x_spec, in_spec=in_spec, lin_spec=lin_spec,
-            out_spec=out_spec, gx_placements=gx, w_spec=_spec(ws, ws.placements),
+            out_spec=out_spec, gx_placements=gx,
+            g_lin_placements=lin_spec.placements if self.colwise else _grad_placements(lin_spec.placements),
+            gin_spec=_spec(in_spec, gin), gx_spec=_spec(x_spec, gx), w_spec=_spec(ws, ws.placements),
             b_spec=_spec(b._spec, b._spec.placements) if b is not None else None,
             local_output=bool(style.use_local_output),
         )
