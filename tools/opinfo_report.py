@@ -5,6 +5,13 @@ DTensor) and on dtshard, and the generator of ``tests/opinfo/known_failures.json
     python tools/opinfo_report.py --backends dtshard       # one backend
     python tools/opinfo_report.py --ops add,sum,var        # a subset
     python tools/opinfo_report.py --regenerate             # rewrite tests/opinfo/known_failures.json
+    python tools/opinfo_report.py --check                  # every case of the test's configurations
+                                                           # against known_failures.json; writes
+                                                           # tests/opinfo/last_full_sweep.json
+
+The test suite runs a fixed sample of the configurations' cases (``SUITE_FRACTION`` in
+tests/opinfo/_opinfo_sweep.py); ``--check`` is the exhaustive sweep, with the same verdict the test
+gives, recorded with its date, commit and numbers in ``last_full_sweep.json``.
 
 For each backend it prints and writes (``--json``, default ``opinfo_report.json``): ops whose every
 case passes forward, and forward+backward; cases passing; errors (an exception: a missing rule,
@@ -32,6 +39,7 @@ sys.path.insert(0, ROOT)
 import _opinfo_sweep as S  # noqa: E402
 
 KNOWN = os.path.join(ROOT, "tests", "opinfo", "known_failures.json")
+LAST_FULL = os.path.join(ROOT, "tests", "opinfo", "last_full_sweep.json")
 
 
 def _log(msg: str) -> None:
@@ -75,6 +83,50 @@ def regenerate() -> int:
     return 1 if silent_total else 0
 
 
+def check() -> int:
+    """The exhaustive sweep: every case of every configuration the test samples, judged as the test
+    judges its sample; the result is written to tests/opinfo/last_full_sweep.json."""
+    import datetime
+    import subprocess
+
+    import torch
+
+    with open(KNOWN) as f:
+        known = json.load(f)
+    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    out = {"_comment": "WRITTEN by `python tools/opinfo_report.py --check`: the last exhaustive sweep "
+                       "(the suite runs a fixed sample of it).",
+           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "commit": commit, "torch": torch.__version__, "meshes": {}}
+    bad = 0
+    for cfg in S.CONFIGS:
+        t0 = time.time()
+        cases = S.config_cases(cfg)
+        _log(f"mesh {cfg['name']}: {len(cases)} cases")
+        records = S.run_sweep("dtshard", cfg["mesh"], cases, stall_s=90.0, log=_log)
+        entry = known["meshes"].get(cfg["name"])
+        if entry is None or entry["config"] != S.config_signature(cfg):
+            lines = ["known_failures.json was generated for another configuration: run --regenerate"]
+        else:
+            lines = S.compare_with_known(cfg, cases, records, entry)
+        summary, _ = S.summarize(cases, records)
+        dt = time.time() - t0
+        out["meshes"][cfg["name"]] = {"cases": len(cases),
+                                      "suite_sample": len(S.sample_cases(cases, S.SUITE_FRACTION[cfg["name"]])),
+                                      "summary": vars(summary), "seconds": round(dt, 1),
+                                      "verdict": "pass" if not lines else "FAIL", "problems": lines}
+        bad += bool(lines)
+        _log(f"mesh {cfg['name']}: {summary} in {dt:.0f} s: {'pass' if not lines else 'FAIL'}")
+        for line in lines:
+            _log(line)
+    with open(LAST_FULL, "w") as f:
+        json.dump(out, f, indent=1)
+        f.write("\n")
+    _log(f"wrote {LAST_FULL}")
+    return 1 if bad else 0
+
+
 def _table(rows: list[tuple]) -> str:
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     lines = []
@@ -96,9 +148,14 @@ def main(argv=None) -> int:
     ap.add_argument("--no-backward", action="store_true")
     ap.add_argument("--json", default="opinfo_report.json")
     ap.add_argument("--regenerate", action="store_true", help="rewrite tests/opinfo/known_failures.json (dtshard)")
+    ap.add_argument("--check", action="store_true",
+                    help="the exhaustive sweep of the test's configurations against known_failures.json "
+                         "(writes tests/opinfo/last_full_sweep.json)")
     args = ap.parse_args(argv)
     if args.regenerate:
         return regenerate()
+    if args.check:
+        return check()
 
     keys = S.all_op_keys() if not args.ops else args.ops.split(",")
     cases = S.plan_cases(keys, 1, args.samples, args.schemes)

@@ -1,8 +1,10 @@
 """Redistribute moves at most 1.25x the theoretical minimum, for EVERY transition on N-D meshes.
 
 For each transition between placements drawn from ``Shard(d)`` (every d), ``Replicate`` and
-``Partial(sum|avg|max|min)``, on every rank: the values (``full_tensor`` against the global
-tensor) and the local shape, and the bytes each rank received (``CommCounter.received``, counted
+``Partial(sum|avg|max|min)``, on every rank: the values (every rank's local result against the
+global tensor, checked in the parent by this file's own shard arithmetic: a Partial target's terms
+reduced over their group in every order of its Partial mesh dims), the placements and the local
+shape, and the bytes each rank received (``CommCounter.received``, counted
 by the collectives themselves).  The bound: the most any rank receives is at most 1.25x the
 minimum of :func:`minimum_received`, written here from first principles (its own shard
 arithmetic, not dtshard's planner or layout code):
@@ -146,9 +148,12 @@ def all_transitions(mesh_ndim, tensor_ndim):
 
 
 def _run(mesh_shape, shape, transitions):
+    """On each rank: every transition's bytes received, a layout problem (or ""), and the local
+    result, whose values the parent checks against the global tensor (no collective here beyond
+    the redistribute itself: gathering every result on the workers would double the suite's time)."""
     mesh = dtshard.init_device_mesh("cpu", mesh_shape)
     coord = tuple(mesh.get_coordinate())
-    x = (torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape) * 0.5 - 3.0)
+    x = _global(shape)
     out = []
     for src, dst in transitions:
         d = dtshard.DTensor.from_local(_local_source(x, mesh_shape, src, coord), mesh, src, shape=shape)
@@ -159,18 +164,52 @@ def _run(mesh_shape, shape, transitions):
             problem = f"placements {y.placements}"
         elif tuple(y._local_tensor.shape) != tuple(b - a for a, b in _box(shape, mesh_shape, dst, coord)):
             problem = f"local shape {tuple(y._local_tensor.shape)}"
-        elif not torch.allclose(y.full_tensor(), x):
-            problem = "wrong values"
-        out.append((comm.received(), problem))
-    return out
+        out.append((comm.received(), problem, y.to_local().clone()))
+    return coord, out
+
+
+def _global(shape):
+    return torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape) * 0.5 - 3.0
+
+
+_REDUCE = {"sum": lambda ts: sum(ts), "avg": lambda ts: sum(ts) / len(ts),
+           "max": lambda ts: torch.stack(ts).amax(0), "min": lambda ts: torch.stack(ts).amin(0)}
+
+
+def _value_problem(x, mesh_shape, dst, locals_by_coord) -> str:
+    """Whether the ranks' local results of ``dst`` hold ``x``, by this file's own arithmetic:
+    each rank's shard box of ``x`` where ``dst`` has no Partial; where it has, the terms of each
+    group of ranks that differ only in Partial mesh dims, reduced with each dim's op (in every
+    order of those dims: the terms must mean ``x`` however they are reduced), equal that box."""
+    partial = [m for m, p in enumerate(dst) if isinstance(p, Partial)]
+    for order in itertools.permutations(partial) if partial else [()]:
+        terms = dict(locals_by_coord)
+        for m in order:  # reduce mesh dim m: group the coordinates that differ only there
+            groups: dict = {}
+            for c, v in terms.items():
+                groups.setdefault(c[:m] + (0,) + c[m + 1:], []).append(v)
+            terms = {c: _REDUCE[dst[m].reduce_op](vs) for c, vs in groups.items()}
+        for c, v in terms.items():
+            want = x
+            for d, (a, b) in enumerate(_box(tuple(x.shape), mesh_shape, dst, c)):
+                want = want.narrow(d, a, b - a)
+            if not torch.allclose(v, want):
+                return "wrong values" + (f" (reducing mesh dims in order {order})" if len(order) > 1 else "")
+    return ""
 
 
 def _check(mesh_shape, shape, transitions):
     world = math.prod(mesh_shape)
-    per_rank = run_distributed(_run, world, tuple(mesh_shape), tuple(shape), transitions, timeout=600)
+    answers = run_distributed(_run, world, tuple(mesh_shape), tuple(shape), transitions, timeout=600)
+    coords = [coord for coord, _ in answers]
+    per_rank = [out for _, out in answers]
+    x = _global(shape)
     bad = []
     for k, (src, dst) in enumerate(transitions):
         probs = [per_rank[r][k][1] for r in range(world) if per_rank[r][k][1]]
+        if not probs:
+            value = _value_problem(x, mesh_shape, dst, {coords[r]: per_rank[r][k][2] for r in range(world)})
+            probs = [value] if value else []
         got = max(per_rank[r][k][0] for r in range(world))
         want = minimum_received(shape, mesh_shape, src, dst) * 8  # float64 bytes
         if probs:
@@ -222,3 +261,28 @@ def test_nested_shards_gather_in_one_flattened_all_gather():
         for shape, ok, records in rank:
             assert ok, shape
             assert records == [("all_gather", (0, 1))], (shape, records)
+
+
+def test_value_check_catches_wrong_terms():
+    """The parent's value check itself: right terms pass, one wrong element or a term held by the
+    wrong rank fails (single process: the check is plain arithmetic)."""
+    mesh_shape, shape = (2, 2), (4, 6)
+    x = _global(shape)
+    coords = list(itertools.product(range(2), range(2)))
+    for dst in [(Shard(0), Shard(1)), (Partial("sum"), Shard(0)), (Partial("avg"), Partial("sum")),
+                (Replicate(), Partial("max")), (Partial("min"), Replicate())]:
+        good = {c: _local_source(x, mesh_shape, dst, c) for c in coords}
+        assert _value_problem(x, mesh_shape, dst, good) == "", dst
+        bad = {c: v.clone() for c, v in good.items()}
+        bad[(1, 0)].view(-1)[0] += 1.0
+        assert _value_problem(x, mesh_shape, dst, bad).startswith("wrong values"), dst
+    # Partial(sum) terms swapped within their group are still the sum; moved to another shard's
+    # group they are not
+    dst = (Partial("sum"), Shard(0))
+    good = {c: _local_source(x, mesh_shape, dst, c) for c in coords}
+    swapped = dict(good)
+    swapped[(0, 0)], swapped[(1, 0)] = good[(1, 0)], good[(0, 0)]
+    assert _value_problem(x, mesh_shape, dst, swapped) == ""
+    moved = dict(good)
+    moved[(0, 0)], moved[(0, 1)] = good[(0, 1)], good[(0, 0)]
+    assert _value_problem(x, mesh_shape, dst, moved) == "wrong values"

@@ -950,3 +950,61 @@ def config_cases(cfg) -> list[tuple]:
 
 def config_signature(cfg) -> dict:
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# the suite's sample of the exhaustive sweep, and the comparison with the known failures
+# ---------------------------------------------------------------------------------------------
+
+#: the test suite runs this share of each configuration's cases, drawn per op with a fixed seed
+#: (every op keeps at least one case); ``python tools/opinfo_report.py --check`` runs them all and
+#: records its result in ``last_full_sweep.json``. The 2x2 configuration is small: all of it.
+SUITE_FRACTION = {"2": 0.25, "2-strided": 0.34, "2x2": 1.0}
+SUITE_SEED = 0
+
+
+def sample_cases(cases, fraction: float, seed: int = SUITE_SEED) -> list[tuple]:
+    """A deterministic sample of ``cases``: for each op, ``ceil(fraction * n)`` of its ``n``
+    cases (at least one), drawn by a generator seeded with ``seed`` and the op's name, so an op's
+    sample does not change when other ops are added or removed. Keeps the cases' order."""
+    import random
+
+    if fraction >= 1.0:
+        return list(cases)
+    by_op: dict[str, list[int]] = {}
+    for i, (key, _, _) in enumerate(cases):
+        by_op.setdefault(key, []).append(i)
+    keep: set[int] = set()
+    for key, idx in by_op.items():
+        rng = random.Random(f"{seed}|{key}")
+        keep.update(rng.sample(idx, max(1, math.ceil(fraction * len(idx)))))
+    return [c for i, c in enumerate(cases) if i in keep]
+
+
+def case_base(case) -> str:
+    """``op|s<i>|<scheme>``: the prefix of a case's failure keys (see :func:`failure_entries`)."""
+    key, si, scheme = case
+    return f"{key}|s{si}|{scheme}"
+
+
+def compare_with_known(cfg, cases, records, known_entry) -> list[str]:
+    """What is wrong with a sweep of ``cases`` (all of ``cfg``'s, or a sample) against the known
+    failures recorded for ``cfg``: silently wrong results (always), failures not recorded, and
+    recorded failures of these cases that now pass. Returns the report's lines; empty: all good."""
+    got = failure_entries(cases, records)
+    bases = {case_base(c) for c in cases}
+    want = {k: v for k, v in known_entry["failures"].items() if k.rsplit("|", 1)[0] in bases}
+    silent = {k: v for k, v in got.items() if v["status"] in SILENT}
+    new = {k: v for k, v in got.items() if k not in want and k not in silent}
+    fixed = sorted(k for k in want if k not in got)
+    lines = []
+    if silent:
+        lines.append(f"!!! {len(silent)} SILENTLY WRONG result(s) (no exception; fix the rule or make it raise):")
+        lines += [f"    {k}: {v['status']}: {v['reason']}" for k, v in sorted(silent.items())]
+    if new:
+        lines.append(f"{len(new)} new failure(s) not in known_failures.json:")
+        lines += [f"    {k}: {v['status']}: {v['reason']}" for k, v in sorted(new.items())]
+    if fixed:
+        lines.append(f"{len(fixed)} known failure(s) now pass: run `python tools/opinfo_report.py --regenerate`:")
+        lines += [f"    {k}" for k in fixed]
+    return lines
