@@ -274,7 +274,7 @@ def test_value_check_catches_wrong_terms():
         good = {c: _local_source(x, mesh_shape, dst, c) for c in coords}
         assert _value_problem(x, mesh_shape, dst, good) == "", dst
         bad = {c: v.clone() for c, v in good.items()}
-        bad[(1, 0)].view(-1)[0] += 1.0
+        bad[(0, 0)].view(-1)[0] += 1.0  # the term a max or min takes its value from, too
         assert _value_problem(x, mesh_shape, dst, bad).startswith("wrong values"), dst
     # Partial(sum) terms swapped within their group are still the sum; moved to another shard's
     # group they are not
