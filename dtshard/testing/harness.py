@@ -652,11 +652,14 @@ def pool_pids(world_size: int) -> list[int] | None:
         return list(pool.pids) if pool is not None else None
 
 
-def shutdown_pools() -> None:
-    """Stop every cached pool (clean exit, then kill stragglers). Safe to call twice."""
+def shutdown_pools(*world_sizes: int) -> None:
+    """Stop the cached pools of ``world_sizes`` (every pool when none is named): clean exit, then
+    kill stragglers. Safe to call twice. A test that leaves its workers in a state later tests
+    must not see names its own world size only, so the other pools live on (starting a pool costs
+    seconds per rank)."""
     with _LOCK:
-        pools = list(_POOLS.values())
-        _POOLS.clear()
+        names = list(_POOLS) if not world_sizes else [n for n in world_sizes if n in _POOLS]
+        pools = [_POOLS.pop(n) for n in names]
         for pool in pools:
             with contextlib.suppress(Exception):
                 pool.shutdown()

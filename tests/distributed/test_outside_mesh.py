@@ -82,8 +82,8 @@ def test_ranks_outside_the_mesh_are_no_ops():
     finally:
         # PyTorch's DeviceMesh over a subset of the world creates its process group on the
         # member ranks only, so the ranks' group counters (and the names of groups created
-        # later) no longer agree: later tests get fresh worker processes
-        shutdown_pools()
+        # later) no longer agree: later tests get fresh 4-rank worker processes
+        shutdown_pools(4)
     for rank in range(4):
         assert ours[rank]["step"] is True, rank
         for key, want in theirs[rank].items():

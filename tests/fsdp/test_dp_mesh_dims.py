@@ -98,7 +98,7 @@ def test_dp_mesh_dims_matches_pytorch(kind):
     # fresh workers: PyTorch's dispatch caches (its specs compare meshes by layout) can hand a
     # new DTensor an equal mesh OBJECT that an earlier test in the same process made, and its
     # SPMD fully_shard rejects a parameter whose mesh is not the very object passed to it
-    shutdown_pools()
+    shutdown_pools(4)
     for r in run_distributed(_run, 4, kind, timeout=300):
         t, d = r["torch"], r["dtshard"]
         assert d["layout"] == t["layout"], (d["layout"], t["layout"])

@@ -137,6 +137,16 @@ def test_pool_is_reused():
     assert len(set(first)) == 2
 
 
+def test_shutting_down_one_pool_keeps_the_others():
+    from dtshard.testing import shutdown_pools
+
+    two, one = run_distributed(_pid, 2), run_distributed(_pid, 1)
+    shutdown_pools(1)
+    assert pool_pids(1) is None
+    assert pool_pids(2) == two and run_distributed(_pid, 2) == two
+    assert run_distributed(_pid, 1) != one  # a fresh pool
+
+
 def test_per_call_overhead_is_small():
     run_distributed(_pid, 2)  # pool up
     start = time.perf_counter()
