@@ -46,6 +46,16 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def _sweep_every_config():
+    """Every case of every configuration the test samples, on dtshard: yields
+    ``(cfg, cases, records, t0)`` per configuration (``t0``: when its sweep started)."""
+    for cfg in S.CONFIGS:
+        t0 = time.time()
+        cases = S.config_cases(cfg)
+        _log(f"mesh {cfg['name']}: {len(cases)} cases")
+        yield cfg, cases, S.run_sweep("dtshard", cfg["mesh"], cases, stall_s=90.0, log=_log), t0
+
+
 def regenerate() -> int:
     """Run the dtshard sweep of every configuration the test runs; write known_failures.json."""
     import torch
@@ -57,11 +67,7 @@ def regenerate() -> int:
         "meshes": {},
     }
     silent_total = 0
-    for cfg in S.CONFIGS:
-        t0 = time.time()
-        cases = S.config_cases(cfg)
-        _log(f"mesh {cfg['name']}: {len(cases)} cases")
-        records = S.run_sweep("dtshard", cfg["mesh"], cases, stall_s=90.0, log=_log)
+    for cfg, cases, records, t0 in _sweep_every_config():
         fails = S.failure_entries(cases, records)
         summary, _ = S.summarize(cases, records)
         silent = {k: v for k, v in fails.items() if v["status"] in S.SILENT}
@@ -100,11 +106,7 @@ def check() -> int:
            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "commit": commit, "torch": torch.__version__, "meshes": {}}
     bad = 0
-    for cfg in S.CONFIGS:
-        t0 = time.time()
-        cases = S.config_cases(cfg)
-        _log(f"mesh {cfg['name']}: {len(cases)} cases")
-        records = S.run_sweep("dtshard", cfg["mesh"], cases, stall_s=90.0, log=_log)
+    for cfg, cases, records, t0 in _sweep_every_config():
         entry = known["meshes"].get(cfg["name"])
         if entry is None or entry["config"] != S.config_signature(cfg):
             lines = ["known_failures.json was generated for another configuration: run --regenerate"]
