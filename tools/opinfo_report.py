@@ -111,7 +111,7 @@ def check() -> int:
         if entry is None or entry["config"] != S.config_signature(cfg):
             lines = ["known_failures.json was generated for another configuration: run --regenerate"]
         else:
-            lines = S.compare_with_known(cfg, cases, records, entry)
+            lines = S.compare_with_known(cases, records, entry)
         summary, _ = S.summarize(cases, records)
         dt = time.time() - t0
         out["meshes"][cfg["name"]] = {"cases": len(cases),

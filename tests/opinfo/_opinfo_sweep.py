@@ -865,8 +865,8 @@ def run_sweep(backend: str, mesh_shape, cases, *, stall_s: float = 20.0, batch: 
 def failure_entries(cases, records) -> dict[str, dict]:
     """``{"op|s<i>|<scheme>|fwd|bwd": {"status", "reason"}}`` for every failing phase."""
     out = {}
-    for (key, si, scheme), rec in zip(cases, records):
-        base = f"{key}|s{si}|{scheme}"
+    for case, rec in zip(cases, records):
+        base = case_base(case)
         if rec["fwd"] not in ("pass", "skip"):
             out[base + "|fwd"] = {"status": rec["fwd"], "reason": rec["fwd_reason"]}
         if rec["bwd"] not in ("pass", "skip", ""):
@@ -987,9 +987,9 @@ def case_base(case) -> str:
     return f"{key}|s{si}|{scheme}"
 
 
-def compare_with_known(cfg, cases, records, known_entry) -> list[str]:
-    """What is wrong with a sweep of ``cases`` (all of ``cfg``'s, or a sample) against the known
-    failures recorded for ``cfg``: silently wrong results (always), failures not recorded, and
+def compare_with_known(cases, records, known_entry) -> list[str]:
+    """What is wrong with a sweep of ``cases`` (all of a configuration's, or a sample) against the
+    known failures recorded for that configuration (``known_entry``): silently wrong results (always), failures not recorded, and
     recorded failures of these cases that now pass. Returns the report's lines; empty: all good."""
     got = failure_entries(cases, records)
     bases = {case_base(c) for c in cases}

@@ -44,7 +44,7 @@ def _check(cfg):
     assert {c[0] for c in cases} == {c[0] for c in every}, "the sample must keep every op"
     # a generous stall limit: a loaded CI machine must not turn a slow case into a "hang"
     records = S.run_sweep("dtshard", cfg["mesh"], cases, stall_s=90.0)
-    lines = S.compare_with_known(cfg, cases, records, entry)
+    lines = S.compare_with_known(cases, records, entry)
     summary, _ = S.summarize(cases, records)
     assert not lines, (f"mesh {cfg['name']}, {len(cases)} of {len(every)} cases (seed {S.SUITE_SEED}): "
                        f"{summary}\n" + "\n".join(lines))
