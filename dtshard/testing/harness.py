@@ -41,11 +41,26 @@ Environment knobs (read when a pool is created / a call is made)
 ``DTSHARD_TEST_START_TIMEOUT``   limit for starting a pool, seconds (120)
 ``DTSHARD_TEST_HEALTH_CHECK``    "1": ping the pool before every call (off)
 
-Workers get ``DTSHARD_TESTING=1``, ``OMP_NUM_THREADS=1``, one ``PYTHONHASHSEED`` (the parent's, or 0),
-``torch.set_num_threads(1)``, the parent's ``sys.path`` (re-sent whenever it
+``DTSHARD_START_METHOD``         "forkserver" (default) or "spawn"
+
+Workers get the parent's environment as it is when they start, plus
+``DTSHARD_TESTING=1`` (pools only), ``OMP_NUM_THREADS=1``, one ``PYTHONHASHSEED`` (the parent's,
+or 0), ``torch.set_num_threads(1)``, the parent's ``sys.path`` (re-sent whenever it
 changes, so modules pytest imports later also resolve), and the usual torchrun
 variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
 ``MASTER_PORT``).
+
+How workers start
+-----------------
+Through multiprocessing's *fork server*: one clean process, started on first
+use, imports torch, ``torch.distributed``, dtshard and whatever
+:func:`preload_in_workers` named, once; every worker is then forked from it
+(milliseconds) instead of being spawned as a fresh interpreter that imports
+torch again (a second of CPU per rank; a suite starts ~25 pools).  The server
+is not the parent: it has run no test code, holds no process group and no
+thread a fork could copy in a locked state.  Each worker still gets the
+parent's current environment, working directory, ``sys.path`` and main module,
+as under spawn.  ``DTSHARD_START_METHOD=spawn`` goes back to spawn.
 """
 
 from __future__ import annotations
@@ -81,6 +96,7 @@ __all__ = [
     "warm_up",
     "pool_pids",
     "shutdown_pools",
+    "preload_in_workers",
 ]
 
 _HOST = "127.0.0.1"
@@ -90,6 +106,10 @@ _DEFAULT_START_TIMEOUT = 120.0
 _LAUNCH_PG_TIMEOUT = 60.0
 # How long a clean shutdown waits for workers before killing them.
 _SHUTDOWN_JOIN_TIMEOUT = 5.0
+# What the fork server imports before it forks any worker (see "How workers start").
+_BASE_PRELOAD = ("torch", "torch.distributed", "dtshard", "dtshard.testing.harness")
+_extra_preload: list[str] = []
+_forkserver_started = False
 
 
 def _env_float(name: str, default: float) -> float:
@@ -166,10 +186,18 @@ def _summarize(exc: BaseException) -> str:
 
 
 def _watch_parent(parent_pid: int) -> None:
-    """Exit the worker if the parent process goes away (no orphans)."""
+    """Exit the worker if the parent process goes away (no orphans).
+
+    Polls the parent's pid rather than ``os.getppid()``: a worker forked by the
+    fork server is the server's child, not the parent's.
+    """
     while True:
         time.sleep(0.5)
-        if os.getppid() != parent_pid:
+        try:
+            os.kill(parent_pid, 0)
+        except ProcessLookupError:
+            os._exit(1)
+        except PermissionError:  # the pid was reused by another user's process
             os._exit(1)
 
 
@@ -184,7 +212,8 @@ def _reset_worker_state() -> None:
 
 
 def _worker_main(rank: int, world_size: int, store_port: int, pg_timeout: float,
-                 conn: multiprocessing.connection.Connection, parent_pid: int) -> None:
+                 conn: multiprocessing.connection.Connection, parent_pid: int,
+                 environ: dict[str, str]) -> None:
     """Body of one worker process: init the process group, then serve requests.
 
     Requests (parent -> worker):
@@ -196,6 +225,11 @@ def _worker_main(rank: int, world_size: int, store_port: int, pg_timeout: float,
     # Ctrl-C is for the parent; it kills us when it cleans up.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    # The parent's environment now (a forked worker would otherwise see the fork server's, as it
+    # was when the server started), then this rank's torchrun variables.
+    if os.environ != environ:
+        os.environ.clear()
+        os.environ.update(environ)
     os.environ.update({
         "RANK": str(rank),
         "LOCAL_RANK": str(rank),
@@ -312,8 +346,41 @@ def _pickle_call(fn: Callable, args: tuple, kwargs: dict) -> bytes:
         ) from exc
 
 
+def preload_in_workers(*modules: str) -> None:
+    """Have the fork server import ``modules`` before it forks any worker.
+
+    For modules that many workers import (a test suite's heavy helpers): each is
+    then imported once per test session instead of once per worker.  Call it
+    before the first pool starts (a conftest is the place); a later call raises,
+    because the server has already started with its list.
+    """
+    global _extra_preload
+    with _LOCK:
+        new = [m for m in modules if m not in _extra_preload and m not in _BASE_PRELOAD]
+        if new and _forkserver_started:
+            raise RuntimeError(
+                f"preload_in_workers({', '.join(map(repr, modules))}) after the fork server "
+                "started; call it before the first run_distributed/launch (e.g. in conftest.py)")
+        _extra_preload += new
+
+
+def _worker_context() -> multiprocessing.context.BaseContext:
+    """The multiprocessing context workers start from (see "How workers start")."""
+    global _forkserver_started
+    method = os.environ.get("DTSHARD_START_METHOD", "").strip() or "forkserver"
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"DTSHARD_START_METHOD={method!r}: use 'forkserver' or 'spawn'")
+    if method == "forkserver" and "forkserver" not in multiprocessing.get_all_start_methods():
+        method = "spawn"  # not on this platform (Windows)
+    ctx = multiprocessing.get_context(method)
+    if method == "forkserver" and not _forkserver_started:
+        ctx.set_forkserver_preload(list(_BASE_PRELOAD) + _extra_preload)
+        _forkserver_started = True
+    return ctx
+
+
 class WorkerGroup:
-    """``world_size`` spawned processes that share one gloo process group.
+    """``world_size`` worker processes that share one gloo process group.
 
     Used both as a cached test pool (:func:`run_distributed`) and as the
     one-shot group of :func:`launch`.  Not thread-safe; callers serialize.
@@ -336,8 +403,8 @@ class WorkerGroup:
     # -- life cycle --------------------------------------------------------
 
     def start(self) -> None:
-        """Spawn the workers (does not wait for them; see :meth:`wait_ready`)."""
-        ctx = multiprocessing.get_context("spawn")
+        """Start the workers (does not wait for them; see :meth:`wait_ready`)."""
+        ctx = _worker_context()
         # The rendezvous store lives in the parent: port 0 lets the OS pick a
         # free port, so there is no race for "a free port".
         self._store = dist.TCPStore(_HOST, 0, None, is_master=True, wait_for_workers=False,
@@ -352,13 +419,17 @@ class WorkerGroup:
             env["DTSHARD_TESTING"] = "1"
         if sys.platform.startswith("linux") and "GLOO_SOCKET_IFNAME" not in os.environ:
             env["GLOO_SOCKET_IFNAME"] = "lo"  # everything is on 127.0.0.1
+        # The fork server, started by the first worker, keeps the environment it started with
+        # (PYTHONHASHSEED and OMP_NUM_THREADS only take effect at interpreter start); every
+        # worker also gets the parent's environment of now, as a spawned one would.
         with _environ(env):
+            environ = dict(os.environ)
             for rank in range(self.world_size):
                 parent_end, child_end = ctx.Pipe(duplex=True)
                 process = ctx.Process(
                     target=_worker_main,
                     args=(rank, self.world_size, self._store.port, self.pg_timeout, child_end,
-                          os.getpid()),
+                          os.getpid(), environ),
                     name=f"dtshard-worker-{self.world_size}-{rank}",
                     daemon=True,
                 )

@@ -99,6 +99,14 @@ def _change_global_state():
     return True
 
 
+def _env_and_start():
+    import multiprocessing
+    import sys
+
+    return (os.environ.get("DTSHARD_HARNESS_PROBE"), os.environ.get("PYTHONHASHSEED"),
+            hash("dtshard"), multiprocessing.parent_process() is not None, "dtshard" in sys.modules)
+
+
 def _global_state():
     return torch.get_default_dtype(), torch.is_grad_enabled()
 
@@ -113,6 +121,24 @@ def test_results_per_rank(world_size):
     total = float(sum(range(world_size)))
     expected = [(rank, world_size, total) for rank in range(world_size)]
     assert run_distributed(_rank_and_sum, world_size) == expected
+
+
+def test_workers_get_the_parents_environment_of_now(monkeypatch):
+    """Workers are forked from the fork server, which started with an older environment: a new
+    pool still sees the parent's environment as it is when the pool starts, one string-hash seed
+    on every rank, and no call may change the server's preload list once it runs."""
+    from dtshard.testing import preload_in_workers, shutdown_pools
+
+    run_distributed(_rank_and_sum, 2)  # the server runs
+    monkeypatch.setenv("DTSHARD_HARNESS_PROBE", "now")
+    shutdown_pools(2)
+    infos = run_distributed(_env_and_start, 2)
+    assert [i[0] for i in infos] == ["now", "now"]
+    assert infos[0][1] == infos[1][1] is not None and infos[0][2] == infos[1][2]
+    assert all(i[4] for i in infos)  # dtshard came preloaded
+    if os.environ.get("DTSHARD_START_METHOD", "forkserver") == "forkserver":
+        with pytest.raises(RuntimeError, match="after the fork server started"):
+            preload_in_workers("json.decoder")
 
 
 def test_worker_environment():
