@@ -15,7 +15,7 @@ from dtshard import composites as _composites
 
 from dtshard.collectives import init_device_mesh
 from dtshard.factories import empty, full, ones, rand, randn, zeros
-from dtshard.propagate import NoRuleError, RuleError, config
+from dtshard.propagate import NoMetaKernelError, NoRuleError, RuleError, config
 from dtshard.registry import OpCall, override, register_handler, register_rule
 from dtshard.spec import DTensorSpec, TensorMeta
 from dtshard.tensor import DTensor, distribute_module, distribute_tensor
@@ -24,6 +24,7 @@ __all__ = [
     "DTensor",
     "DTensorSpec",
     "DeviceMesh",
+    "NoMetaKernelError",
     "NoRuleError",
     "OpCall",
     "Partial",

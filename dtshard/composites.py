@@ -11,6 +11,13 @@ decomposition (``OpOverload.decompose``: exactly what PyTorch would run) and, wh
 among the inputs, promotes a plain tensor result to a Replicate DTensor: it was made from metadata
 alone, so it is the same global value on every rank.  Plain-tensor calls run the decomposition
 unchanged.  Add an op here only when the OpInfo sweep shows it returning a plain tensor.
+
+A second kind (``READS_VALUES``): a decomposition that reads the *values* of a tensor argument in
+C++ (``tensor_split(x, indices_tensor)`` turns the indices into a list of integers with a raw data
+pointer).  A DTensor there has no data of its own to read (PyTorch raises "data is not allocated
+yet"), so dtshard's kernel first makes that argument the plain global tensor (``full_tensor()``: a
+collective every rank enters, its sizes from the argument's metadata) and then runs the same
+decomposition.
 """
 
 from __future__ import annotations
@@ -25,7 +32,26 @@ COMPOSITES = {
     "linalg_matrix_rank": ("default", "tol_tensor", "atol_rtol_tensor", "atol_rtol_float"),
 }
 
+#: (packet, overload) -> positions of the arguments whose values the decomposition reads
+READS_VALUES = {
+    ("tensor_split", "tensor_indices_or_sections"): (1,),
+}
+
 _lib = None
+
+
+def _values_kernel(op, positions):
+    def run(*args, **kwargs):
+        from dtshard.tensor import DTensor
+
+        args = list(args)
+        for i in positions:
+            if i < len(args) and isinstance(args[i], DTensor):
+                args[i] = args[i].full_tensor()
+        return op.decompose(*args, **kwargs)
+
+    run.__name__ = f"dtshard_{op._overloadpacket.__name__}_{op._overloadname}"
+    return run
 
 
 def _kernel(op):
@@ -55,3 +81,7 @@ def register() -> None:
             op = getattr(getattr(aten, packet), name)
             for key in ("AutogradCPU", "AutogradCUDA"):
                 _lib.impl(packet if name == "default" else f"{packet}.{name}", _kernel(op), key)
+    for (packet, name), positions in READS_VALUES.items():
+        op = getattr(getattr(aten, packet), name)
+        for key in ("AutogradCPU", "AutogradCUDA"):
+            _lib.impl(f"{packet}.{name}", _values_kernel(op, positions), key)

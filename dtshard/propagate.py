@@ -97,7 +97,14 @@ class config:
 
 
 class NoRuleError(NotImplementedError):
-    pass
+    """dtshard cannot run this op on DTensors: no sharding rule, or nothing to infer its output
+    metadata from (see :class:`NoMetaKernelError`). The message names the op, the inputs' global
+    shapes and placements, the mesh, and the fix."""
+
+
+class NoMetaKernelError(NoRuleError):
+    """The op has no meta kernel (no fake impl) in PyTorch, and no rule gives a ``meta`` function,
+    so its output shapes cannot be inferred without running it."""
 
 
 class RuleError(RuntimeError):
@@ -369,6 +376,16 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
         gflat = _out_metas(op, meta_args, meta_kwargs, shapes, dtypes, (), meta_fn, strides=True)
     except RuleError:
         raise
+    except NotImplementedError as e:
+        if "Meta" not in str(e):
+            raise type(e)(f"{_error_context(op, specs)}: {e}") if _simple_exc(e) else e
+        raise NoMetaKernelError(
+            f"{_error_context(op, specs)}: PyTorch has no meta kernel (fake impl) for {op}, so "
+            "dtshard cannot infer its output shapes and dtypes on the global inputs. To fix: "
+            f"register a rule with a meta function, @dtshard.register_rule({op}, meta=...) "
+            "(CONTRIBUTING.md, 'Adding a rule'), or run it on plain tensors "
+            "(x.full_tensor(), or each rank's x.to_local())."
+        ) from None
     except Exception as e:  # the op rejects these global inputs: same error a plain tensor gives
         raise type(e)(f"{_error_context(op, specs)}: {e}") if _simple_exc(e) else e
     if config.check_plans and any(0 in tuple(sh) for sh in shapes) and sum(
