@@ -154,9 +154,10 @@ def _graph_ops():
 
 
 def test_collectives_are_functional_collectives_in_the_graph():
-    graphs = run_distributed(_graph_ops, 2, timeout=600)[0]
-    forward = graphs[0]
-    assert "_c10d_functional.all_reduce" in forward and "_c10d_functional.wait_tensor" in forward, forward
+    for rank, graphs in enumerate(run_distributed(_graph_ops, 2, timeout=600)):
+        forward = graphs[0]
+        assert "_c10d_functional.all_reduce" in forward and "_c10d_functional.wait_tensor" in forward, (
+            f"rank {rank}: {forward}")
 
 
 def _no_recompile_on_new_values():
@@ -223,10 +224,11 @@ def _conv_graph():
 
 
 def test_spatial_conv_compiles_with_the_halo_exchange_as_a_custom_op():
-    ok, graphs = run_distributed(_conv_graph, 2, timeout=600)[0]
-    assert ok
-    assert "dtshard.halo_exchange" in graphs[0], graphs[0]
-    assert "dtshard.halo_accumulate" in graphs[1] or "dtshard.halo_exchange" in graphs[1], graphs[1]
+    for rank, (ok, graphs) in enumerate(run_distributed(_conv_graph, 2, timeout=600)):
+        assert ok, f"rank {rank}: compiled values or gradients differ from eager"
+        assert "dtshard.halo_exchange" in graphs[0], f"rank {rank}: {graphs[0]}"
+        assert "dtshard.halo_accumulate" in graphs[1] or "dtshard.halo_exchange" in graphs[1], (
+            f"rank {rank}: {graphs[1]}")
 
 
 def _resampling_ops():

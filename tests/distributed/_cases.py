@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 import dtshard
-from dtshard.spec import DTensorSpec, local_shape_and_offset
+from dtshard.spec import DTensorSpec
 
 _meshes: dict = {}
 
@@ -52,10 +52,20 @@ def local_part(full: torch.Tensor, m, placements, coord) -> torch.Tensor:
     """What the rank at ``coord`` must hold: its shard slice, and for each Partial mesh dim a
     nontrivial partial term (terms differ across the group and reduce to the value)."""
     placements = list(placements)
-    shape, offset = local_shape_and_offset(full.shape, tuple(m.shape), placements, coord)
+    # the shard by PyTorch's own arithmetic, not dtshard's: torch.chunk per Shard mesh dim, left
+    # to right (ranks past the last chunk hold an empty piece), checked against PyTorch's
+    # DTensor helper for the local shape
     x = full
-    for d, (o, s) in enumerate(zip(offset, shape)):
-        x = x.narrow(d, o, s)
+    for i, p in enumerate(placements):
+        if isinstance(p, Shard):
+            chunks = torch.chunk(x, m.size(i), dim=p.dim)
+            c = coord[i]
+            x = chunks[c] if c < len(chunks) else x.narrow(p.dim, x.shape[p.dim], 0)
+    if tuple(coord) == tuple(m.get_coordinate()):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        want = tuple(compute_local_shape_and_global_offset(full.shape, m, placements)[0])
+        assert tuple(x.shape) == want, (tuple(full.shape), placements, tuple(x.shape), want)
     x = x.clone()
     for i, p in enumerate(placements):
         if isinstance(p, Partial):

@@ -35,6 +35,8 @@ from _cases import mesh
 STEPS = 5
 LR = 2e-3
 RTOL = 1e-5
+#: per element: |dW| <= RTOL * |W| + ATOL (a weight near zero still may not drift)
+ATOL = 1e-6
 
 
 def _train(world, plan, tie, foreach):
@@ -77,9 +79,11 @@ def _train(world, plan, tie, foreach):
 
 
 def _check(rows):
-    for step, (want, got, dev_scaled, _) in enumerate(rows, 1):
+    for step, (want, got, dev_scaled, dev_elem) in enumerate(rows, 1):
         assert abs(got - want) <= RTOL * abs(want), f"step {step}: loss {got} vs {want}"
         assert dev_scaled <= RTOL, f"step {step}: a weight deviates by {dev_scaled:.2e} of its scale"
+        assert dev_elem <= ATOL, (f"step {step}: a weight element deviates by {dev_elem:.2e} more "
+                                  f"than {RTOL:g} of its value")
     assert rows[-1][0] < rows[0][0] - 0.2, "the model did not train"
 
 

@@ -69,8 +69,16 @@ def _program(lib_name):
         out["step"] = (dist.get_rank() >= 2 and tuple(w.shape) == (0,)) or (
             torch.allclose(w, ref[0].weight) and torch.allclose(loss.full_tensor(), rloss))
     dist.barrier()  # nothing left pending on any rank
-    return {k: _describe(v) if not isinstance(v, torch.Tensor) or dist.get_rank() >= 2 or isinstance(
-        v, (tdt.DTensor, dtshard.DTensor)) else v for k, v in out.items()}
+    result = {}
+    for k, v in out.items():
+        if isinstance(v, (tdt.DTensor, dtshard.DTensor)):
+            result[k] = _describe(v)
+            result[k + ".local"] = v.to_local().detach().clone()  # the values, on every rank
+        elif isinstance(v, torch.Tensor) and dist.get_rank() < 2:
+            result[k] = v.detach().clone()
+        else:
+            result[k] = _describe(v)
+    return result
 
 
 def test_ranks_outside_the_mesh_are_no_ops():
@@ -89,6 +97,7 @@ def test_ranks_outside_the_mesh_are_no_ops():
         for key, want in theirs[rank].items():
             got = ours[rank][key]
             if isinstance(want, torch.Tensor):
-                assert torch.allclose(got, want, atol=1e-6), (rank, key)
+                assert isinstance(got, torch.Tensor) and got.shape == want.shape, (rank, key, got, want)
+                assert torch.allclose(got, want, atol=1e-6), (rank, key, got, want)
             else:
                 assert got == want, (rank, key, got, want)

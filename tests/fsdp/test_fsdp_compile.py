@@ -167,11 +167,13 @@ def _compiled_fsdp_tp(backend: str, mp: bool, steps: int = 3):
     ref = Transformer(cfg)
     kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if mp else {}
     models = []
-    for _ in range(2 if mp else 1):
+    # mixed precision: [compiled bf16, eager bf16, eager fp32]; the fp32 run is the yardstick of
+    # what bf16 rounding alone explains
+    for k in range(3 if mp else 1):
         m = parallelize(copy.deepcopy(ref), tp, dtshard.parallel, local_output=True)
         for layer in m.layers:
-            fully_shard(layer, mesh=dp, **kw)
-        fully_shard(m, mesh=dp, **kw)
+            fully_shard(layer, mesh=dp, **(kw if k < 2 else {}))
+        fully_shard(m, mesh=dp, **(kw if k < 2 else {}))
         models.append(m)
     compiled = torch.compile(models[0], backend=backend, fullgraph=True)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
@@ -202,8 +204,13 @@ def _compiled_fsdp_tp(backend: str, mp: bool, steps: int = 3):
             losses.append(rloss.item())
         rows.append(losses)
     if mp:  # AdamW's first steps move every weight by ~lr * sign(grad): compare the gradients
-        a, b = first_grads[0], first_grads[1]
-        err = max(((a[n] - b[n]).norm() / b[n].norm()).item() for n in b)
+        def grad_err(a, b):  # the largest norm-relative difference over the parameters
+            return max(((a[n] - b[n]).norm() / b[n].norm()).item() for n in b)
+
+        fp32 = first_grads[2]
+        # (compiled vs eager bf16, compiled vs fp32, eager bf16 vs fp32)
+        err = (grad_err(first_grads[0], first_grads[1]), grad_err(first_grads[0], fp32),
+               grad_err(first_grads[1], fp32))
     else:
         other = {n: p.detach() for n, p in ref.named_parameters()}
         err = max(((p.full_tensor() - other[n]).abs().max() / other[n].abs().max()).item()
@@ -222,14 +229,30 @@ def test_compiled_fsdp_times_tp_llama_2x2():
             assert abs((mine + theirs) / 2 - ref) < 1e-5, (step, mine, theirs, ref)
 
 
-@pytest.mark.parametrize("backend,tol", [("aot_eager", 0.0), ("inductor", 5e-2)])
-def test_compiled_fsdp_times_tp_mixed_precision(backend, tol):
-    """bf16 parameters, fp32 reduction: against eager dtshard FSDP x TP with the same policy.
-    aot_eager runs the same kernels: bit-identical.  Inductor's fused kernels keep bf16
-    intermediates in fp32 registers, so they round differently: first-step gradients within
-    5% (norm-relative; measured 2.9%), losses within 3%."""
-    for rows, err, breaks in run_distributed(_compiled_fsdp_tp, 4, backend, True, timeout=600):
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_fsdp_times_tp_mixed_precision(backend):
+    """bf16 parameters, fp32 reduction: against eager dtshard FSDP x TP with the same policy,
+    and both against eager fp32 FSDP x TP. aot_eager runs the same kernels: bit-identical.
+    Inductor's fused kernels keep bf16 intermediates in fp32 registers, so they round
+    differently; the bound is what bf16 explains: the compiled run may be no further from the
+    fp32 run than eager bf16 is, give or take one bf16 rounding of the loss (its unit in the
+    last place: the loss itself is a bf16 number) and 25% on the first-step gradients (measured:
+    the compiled gradients 2.5% from fp32's, eager bf16's 2.4%; one loss a bf16 ulp off)."""
+    import math
+
+    def bf16_ulp(x):
+        return 2.0 ** (math.floor(math.log2(abs(x))) - 7)
+
+    for rank, (rows, err, breaks) in enumerate(
+            run_distributed(_compiled_fsdp_tp, 4, backend, True, timeout=600)):
         assert breaks == 0
-        for compiled, eager in rows:
-            assert abs(compiled - eager) <= 3e-2 * abs(eager) if tol else compiled == eager, rows
-        assert err <= tol, err
+        vs_eager, compiled_vs_fp32, eager_vs_fp32 = err
+        for step, (compiled, eager, fp32) in enumerate(rows):
+            if backend == "aot_eager":
+                assert compiled == eager, (rank, step, rows)
+            else:
+                assert abs(compiled - fp32) <= abs(eager - fp32) + bf16_ulp(fp32), (rank, step, rows)
+        if backend == "aot_eager":
+            assert vs_eager == 0.0, (rank, err)
+        else:
+            assert compiled_vs_fp32 <= 1.25 * eager_vs_fp32, (rank, err)

@@ -26,6 +26,9 @@ from dtshard.testing import run_distributed
 
 STEPS = 10
 LR = 1e-2
+#: the 99th percentile of |ours - torch| over every weight after the steps (measured 3.2e-4; the
+#: largest 6.4e-3, the mean 5.3e-5); a wrong shard moves whole blocks of weights by ~LR a step
+QUANTILE_TOL = 1e-3
 
 
 def _fsdp_tp(steps: int = STEPS):
@@ -133,10 +136,10 @@ def _fsdp_tp_mixed_precision(steps: int = 4):
             losses.append(loss.full_tensor().item())
         rows.append(tuple(losses))
     diffs = [(a.full_tensor() - b.full_tensor()).abs() for a, b in zip(ours.parameters(), theirs.parameters())]
-    err = max(d.max().item() for d in diffs)
-    mean_err = sum(d.sum().item() for d in diffs) / sum(d.numel() for d in diffs)
+    every = torch.cat([d.flatten() for d in diffs])
+    err = (every.max().item(), torch.quantile(every, 0.99).item(), every.mean().item())
     dtypes = {str(p.dtype) for p in ours.parameters()}
-    return rows, (err, mean_err), dtypes
+    return rows, err, dtypes
 
 
 def test_fsdp_times_tp_mixed_precision_matches_torch():
@@ -146,9 +149,11 @@ def test_fsdp_times_tp_mixed_precision_matches_torch():
             assert abs(ours - theirs) <= 2e-3 * abs(theirs), rows  # bf16 compute
         # bf16 gradients round differently in the two programs (and with the CPU's bf16 matmul
         # kernels: AMX or not), and AdamW's first steps move each weight by about lr whatever the
-        # gradient's size, so a gradient near zero whose sign differs moves one weight by up to
-        # ~2 lr a step: bound the largest difference by that, and the mean (where every weight
-        # counts) tightly
-        err, mean_err = err
-        assert err <= 2 * LR * len(rows), err
+        # gradient's size, so the few weights whose gradient is near zero and differs in sign
+        # move apart by up to ~2 lr a step. So the bound is on a high quantile, where such
+        # weights cannot hide a wrong shard (a misplaced block moves a whole block of weights by
+        # ~lr): 99% of the weights within QUANTILE_TOL, and the mean tightly
+        largest, q99, mean_err = err
+        assert q99 <= QUANTILE_TOL, (q99, largest)
         assert mean_err < 1e-4, mean_err
+        assert largest <= 2 * LR * len(rows), largest  # even the outliers: at most AdamW's step

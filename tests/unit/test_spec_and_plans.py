@@ -177,28 +177,54 @@ def test_kernels_import_is_ours_and_collision_free():
     import os
 
     assert os.path.exists(os.path.join(os.path.dirname(dtshard_kernels.__file__), "reference.py"))
-    assert not hasattr(dtshard_kernels, "__dtshard__") or True  # import name is dtshard_kernels
     import importlib.util
 
     spec_ = importlib.util.find_spec("dtshard_kernels")
     assert spec_.origin == dtshard_kernels.__file__
 
 
-def test_plan_cache_is_bounded(monkeypatch):
+def _fill_the_plan_cache(limit: int, n: int):
+    """On one rank: with a cache limit of ``limit``, dispatch ``n`` adds of distinct shapes (one
+    plan each); return the cache size after each, and whether the first and last shapes'
+    plans were still cached (a miss on replay means evicted)."""
+    import torch
+
+    import dtshard
     from dtshard import dispatch
 
-    monkeypatch.setattr(dispatch, "CACHE_LIMIT", 10)
-    saved = dict(dispatch._cache)
+    saved_limit = dispatch.CACHE_LIMIT
+    dispatch.CACHE_LIMIT = limit
+    dispatch.clear_cache()
     try:
-        dispatch._cache.clear()
-        for k in range(25):
-            if len(dispatch._cache) >= dispatch.CACHE_LIMIT:
-                dispatch._evict_oldest()
-            dispatch._cache[("key", k)] = k
-        assert len(dispatch._cache) <= 10 and ("key", 24) in dispatch._cache and ("key", 0) not in dispatch._cache
+        mesh = dtshard.init_device_mesh("cpu", (1,))
+        xs = [dtshard.distribute_tensor(torch.ones(k + 1), mesh, [dtshard.Shard(0)]) for k in range(n)]
+        sizes = []
+        for x in xs:
+            (x + x).full_tensor()
+            sizes.append(dispatch.cache_info()["size"])
+
+        def replay_misses(x):
+            before = dispatch.cache_info()["misses"]
+            _ = x + x
+            return dispatch.cache_info()["misses"] - before
+
+        last_missed = replay_misses(xs[-1])
+        first_missed = replay_misses(xs[0])
+        return sizes, first_missed, last_missed
     finally:
-        dispatch._cache.clear()
-        dispatch._cache.update(saved)
+        dispatch.CACHE_LIMIT = saved_limit
+        dispatch.clear_cache()
+
+
+def test_plan_cache_is_bounded():
+    """Real dispatches fill the plan cache past its limit: it never grows beyond the limit, the
+    newest plans stay, the oldest are evicted (replaying the first op plans it again)."""
+    from dtshard.testing import run_distributed
+
+    sizes, first_missed, last_missed = run_distributed(_fill_the_plan_cache, 1, 10, 40)[0]
+    assert max(sizes) <= 10 and sizes[-1] >= 5, sizes
+    assert last_missed == 0, "the newest plan was evicted"
+    assert first_missed >= 1, "the oldest plan was never evicted"
 
 
 def test_closed_form_1d_costs_equal_the_planned_steps():
