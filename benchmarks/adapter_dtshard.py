@@ -4,12 +4,12 @@ Maps the harness's adapter contract (see the docstring of ``bench_dtensor.py``) 
 public API.  The dtshard imported is THIS checkout's (the repository root is put first on
 ``sys.path``), so the benchmark measures the tree it ships with, installed or not.
 
-dtshard has no ``parallelize_module`` yet, so this file carries a minimal Megatron-style
-``ColwiseParallel`` / ``RowwiseParallel`` / ``parallelize_module`` built only from dtshard's public
-API (``distribute_tensor``, ``DTensor.from_local``, ``.to_local()``, ``.redistribute()``), with the
-same defaults as ``torch.distributed.tensor.parallel`` (plain tensors in and out, the
-intermediate activation of a colwise -> rowwise pair stays a plain local tensor), so the TP
-training step does the same work on both implementations.
+Tensor parallelism comes from ``dtshard.parallel`` (``ColwiseParallel``, ``RowwiseParallel``,
+``parallelize_module``: PyTorch's TP styles, the same defaults). The minimal Megatron-style
+versions below, built only from dtshard's public API (``distribute_tensor``,
+``DTensor.from_local``, ``.to_local()``, ``.redistribute()``), are used only with
+``DTSHARD_BENCH_ADAPTER_TP=1`` (or on a checkout without ``dtshard.parallel``), to compare the
+styles' own overhead; ``VERSION`` says which ran.
 """
 from __future__ import annotations
 
