@@ -103,8 +103,9 @@ class NoRuleError(NotImplementedError):
 
 
 class NoMetaKernelError(NoRuleError):
-    """The op has no meta kernel (no fake impl) in PyTorch, and no rule gives a ``meta`` function,
-    so its output shapes cannot be inferred without running it."""
+    """PyTorch's meta kernels cannot give the op's output (none is registered, or the output's
+    shape depends on the input's values, as for ``nonzero``), and no rule gives a ``meta``
+    function, so its output shapes cannot be inferred without running it."""
 
 
 class RuleError(RuntimeError):
@@ -377,11 +378,13 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
     except RuleError:
         raise
     except NotImplementedError as e:
-        if "Meta" not in str(e):
+        if "Meta" not in str(e) and "register_meta" not in str(e):
             raise type(e)(f"{_error_context(op, specs)}: {e}") if _simple_exc(e) else e
         raise NoMetaKernelError(
-            f"{_error_context(op, specs)}: PyTorch has no meta kernel (fake impl) for {op}, so "
-            "dtshard cannot infer its output shapes and dtypes on the global inputs. To fix: "
+            f"{_error_context(op, specs)}: PyTorch's meta kernels cannot give the output of {op} "
+            "(none is registered, or, as for nonzero, the output's shape depends on the input's "
+            "values), so dtshard cannot infer its output shapes and dtypes on the global inputs "
+            f"({str(e).splitlines()[0][:120] if str(e) else type(e).__name__}). To fix: "
             f"register a rule with a meta function, @dtshard.register_rule({op}, meta=...) "
             "(CONTRIBUTING.md, 'Adding a rule'), or run it on plain tensors "
             "(x.full_tensor(), or each rank's x.to_local())."
