@@ -76,12 +76,14 @@ def register() -> None:
     if _lib is not None:
         return
     _lib = torch.library.Library("aten", "IMPL")
-    for packet, overloads in COMPOSITES.items():
-        for name in overloads:
-            op = getattr(getattr(aten, packet), name)
-            for key in ("AutogradCPU", "AutogradCUDA"):
-                _lib.impl(packet if name == "default" else f"{packet}.{name}", _kernel(op), key)
-    for (packet, name), positions in READS_VALUES.items():
+
+    def install(packet, name, make):
         op = getattr(getattr(aten, packet), name)
         for key in ("AutogradCPU", "AutogradCUDA"):
-            _lib.impl(f"{packet}.{name}", _values_kernel(op, positions), key)
+            _lib.impl(packet if name == "default" else f"{packet}.{name}", make(op), key)
+
+    for packet, overloads in COMPOSITES.items():
+        for name in overloads:
+            install(packet, name, _kernel)
+    for (packet, name), positions in READS_VALUES.items():
+        install(packet, name, lambda op, positions=positions: _values_kernel(op, positions))
