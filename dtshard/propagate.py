@@ -438,7 +438,6 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
         combos = [tuple([k] * m) for k in range(len(strategies))]
     else:
         combos = list(itertools.product(range(len(strategies)), repeat=m))
-    priced = []
     src_pl = [s.placements for s in specs]
     inplace_view = mode == "inplace" and torch.Tag.inplace_view in op.tags
     # per (input k, the strategy indices that give its target): bytes; combos share them on N-D meshes
@@ -457,6 +456,10 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
             if variant is not None:
                 choices.append((combo + ("strided",), *variant))
         choices.append((combo, ins, outs))
+    # the choices that keep every input where it is cost nothing and move nothing: they sort
+    # before all others, so the others are priced (a planner search per input and target) only
+    # when none of these passes the local shape check
+    kept, moved = [], []
     for combo, ins, outs in choices:
         # an in-place op keeps self where it is; one that changes only metadata (squeeze_, t_, ...)
         # may relabel it (S(1) of (1, n) squeezed is S(0)), any other keeps its placements
@@ -465,28 +468,35 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
             continue
         if mode == "out" and tuple(outs) != tuple(specs[k].placements for k in sorted(out_slots)):
             continue
-        cost, n_moves = 0.0, 0
-        try:
-            for k, target in enumerate(ins):
-                if placements_equal(target, src_pl[k]):
-                    continue
-                n_moves += 1  # ties: prefer keeping inputs as they are, then fewer replicated outputs
-                c = costs.get((k, combo))
-                if c is None:
-                    c = costs[(k, combo)] = R.transition_cost(specs[k], target)
-                cost += c
-        except ValueError:  # no legal path to this target
-            continue
-        n_rep = sum(type(p) is Replicate for o in outs for p in o)
-        priced.append((cost, n_moves, n_rep, ins, outs))
-    priced.sort(key=lambda t: (t[0], t[1], t[2]))
-    if not priced:
-        what = "in-place op would change the placement of its self argument" if mode == "inplace" else (
-            "the out= tensor's placements match no valid strategy" if mode == "out" else "no valid strategy")
-        raise RuntimeError(
-            f"{_error_context(op, specs)}: {what}. Redistribute the tensor first, or use the "
-            "out-of-place op."
-        )
+        (moved if any(not placements_equal(t, src_pl[k]) for k, t in enumerate(ins)) else kept).append(
+            (combo, ins, outs))
+
+    def price(group):
+        priced = []
+        for combo, ins, outs in group:
+            cost, n_moves = 0.0, 0
+            try:
+                for k, target in enumerate(ins):
+                    if placements_equal(target, src_pl[k]):
+                        continue
+                    n_moves += 1  # ties: prefer keeping inputs as they are, then fewer replicated outputs
+                    c = costs.get((k, combo))
+                    if c is None:
+                        c = costs[(k, combo)] = R.transition_cost(specs[k], target)
+                    cost += c
+            except ValueError:  # no legal path to this target
+                continue
+            n_rep = sum(type(p) is Replicate for o in outs for p in o)
+            priced.append((cost, n_moves, n_rep, ins, outs))
+        priced.sort(key=lambda t: (t[0], t[1], t[2]))
+        return priced
+
+    what = "in-place op would change the placement of its self argument" if mode == "inplace" else (
+        "the out= tensor's placements match no valid strategy" if mode == "out" else "no valid strategy")
+    no_strategy = (f"{_error_context(op, specs)}: {what}. Redistribute the tensor first, or use the "
+                   "out-of-place op.")
+    if not kept and not moved:
+        raise RuntimeError(no_strategy)
 
     # 4. first choice that passes the local shape check
     shapes_fn = meta_fn if not shape_args else None
@@ -494,7 +504,7 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
     if entry is not None and entry.local is not None:
         local_op = functools.partial(entry.local, op)
     considered = []
-    for cost, _, _, ins, outs in priced:
+    for cost, _, _, ins, outs in itertools.chain(price(kept), _lazy(lambda: price(moved))):
         out_specs = tuple(
             None if o is None else DTensorSpec(mesh, outs[k], o.shape, o.stride, o.dtype)
             for k, o in enumerate(gflat)
@@ -516,10 +526,17 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
             )
             targets = tuple(None if t == s.placements else t for s, t in zip(specs, ins))
             return Plan(op, targets, out_specs, overrides, mode, cost, tuple(considered), fallback, local_op)
+    if not considered:  # every strategy needs a move that has no legal path
+        raise RuntimeError(no_strategy)
     raise RuntimeError(
         f"{_error_context(op, specs)}: no strategy passed the local shape check (not even "
         f"all-Replicate); this is a dtshard bug, please report it with this message."
     )
+
+
+def _lazy(make):
+    """Iterate what ``make()`` returns, calling it only when the first item is asked for."""
+    yield from make()
 
 
 def placements_text(ins, outs) -> str:

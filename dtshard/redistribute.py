@@ -42,6 +42,7 @@ from dtshard import layout as L
 from dtshard._trace import copy_observers, note_copy
 from dtshard.spec import (DTensorSpec, _itemsize, chunk_range, chunk_sizes, is_strided, local_shape,
                           placement_equal, placement_str, placements_str)
+from dtshard.spec import placement_kind as _kind
 
 __all__ = ["Step", "GroupStep", "plan", "plan_text", "redistribute_local", "transition_cost"]
 
@@ -96,18 +97,19 @@ class GroupStep:
 
 
 def _step_kind(src: Placement, dst: Placement) -> str | None:
-    if isinstance(src, Shard):
-        if isinstance(dst, Replicate):
+    ks, kd = _kind(src), _kind(dst)
+    if ks == "S":
+        if kd == "R":
             return "all_gather"
-        if isinstance(dst, Shard):
+        if kd == "S":
             return "all_to_all"
         return None  # S -> P goes via R
-    if isinstance(src, Replicate):
-        return "slice" if isinstance(dst, Shard) else "zero"
+    if ks == "R":
+        return "slice" if kd == "S" else "zero"
     # src is Partial
-    if isinstance(dst, Replicate):
+    if kd == "R":
         return "all_reduce"
-    if isinstance(dst, Shard):
+    if kd == "S":
         return "reduce_scatter"
     return None  # P(a) -> P(b) goes via R
 
@@ -115,9 +117,9 @@ def _step_kind(src: Placement, dst: Placement) -> str | None:
 def _legal(state: Sequence[Placement], i: int, dst: Placement) -> bool:
     src = state[i]
     later = state[i + 1 :]
-    if isinstance(src, Shard) and any(isinstance(p, Shard) and p.dim == src.dim for p in later):
+    if _kind(src) == "S" and any(_kind(p) == "S" and p.dim == src.dim for p in later):
         return False  # not the innermost mesh dim sharding src.dim
-    if isinstance(dst, Shard) and any(isinstance(p, Shard) and p.dim == dst.dim for p in later):
+    if _kind(dst) == "S" and any(_kind(p) == "S" and p.dim == dst.dim for p in later):
         return False  # a later mesh dim already shards dst.dim
     return True
 
@@ -126,7 +128,7 @@ def _local_numel(shape: Sequence[int], mesh_shape: Sequence[int], state: Sequenc
     """Elements of the largest local shard (coordinate 0 holds the largest chunks)."""
     s = list(shape)
     for i, p in enumerate(state):
-        if isinstance(p, Shard):
+        if _kind(p) == "S":
             s[p.dim] = chunk_range(s[p.dim], mesh_shape[i], 0)[1]
     n = 1
     for v in s:
@@ -138,7 +140,7 @@ def _local_len(shape, mesh_shape, state, d) -> int:
     """Length of tensor dim ``d`` in the largest local shard (coordinate 0 holds the largest)."""
     n = shape[d]
     for i, p in enumerate(state):
-        if isinstance(p, Shard) and p.dim == d:
+        if _kind(p) == "S" and p.dim == d:
             n = chunk_range(n, mesh_shape[i], 0)[1]
     return n
 

@@ -70,6 +70,22 @@ def is_shard(p: Placement) -> bool:
     return isinstance(p, Shard) or type(p) is _StridedShard
 
 
+#: placement type -> kind letter, memoised by exact type (placement_kind)
+_KINDS: dict[type, str] = {Shard: "S", Replicate: "R", Partial: "P", _StridedShard: "T"}
+
+
+def placement_kind(p: Placement) -> str:
+    """``"S"`` (a ``Shard``), ``"T"`` (a strided shard), ``"R"`` (``Replicate``) or ``"P"``
+    (``Partial``): one dict lookup by exact type, for the planner's inner loops (``isinstance``
+    on placement classes goes through a slow metaclass hook in torch)."""
+    k = _KINDS.get(type(p))
+    if k is None:
+        k = ("T" if isinstance(p, _StridedShard) else "S" if isinstance(p, Shard)
+             else "R" if isinstance(p, Replicate) else "P" if isinstance(p, Partial) else "?")
+        _KINDS[type(p)] = k
+    return k
+
+
 def split_factor(p: Placement) -> int:
     return int(p.split_factor)
 
