@@ -32,7 +32,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from dtshard import _trace
 from dtshard import collectives as C
-from dtshard.spec import DTensorSpec, chunk_range, contiguous_strides
+from dtshard.spec import DTensorSpec, chunk_range, contiguous_strides, mesh_identity
 from dtshard.tensor import DTensor
 
 
@@ -539,12 +539,11 @@ def _fsdp_tp_spec(dp_mesh, tp_spec: DTensorSpec, ddp: bool = False) -> DTensorSp
 
     tp_mesh = tp_spec.mesh
     (tp_pl,) = tp_spec.placements
-    root = dp_mesh._get_root_mesh()
     tp_name = tp_mesh.mesh_dim_names[0]
     dp_names = tuple(dp_mesh.mesh_dim_names)
     shard_name = dp_names[-1]
-    names = [n for n in root.mesh_dim_names if n in dp_names or n == tp_name]
-    mesh_n = root if tuple(names) == tuple(root.mesh_dim_names) else root[tuple(names)]
+    mesh_n = _joint_mesh(dp_mesh, tp_mesh)
+    names = list(mesh_n.mesh_dim_names)
     placements = []
     for n in names:
         if n == tp_name:
@@ -556,3 +555,51 @@ def _fsdp_tp_spec(dp_mesh, tp_spec: DTensorSpec, ddp: bool = False) -> DTensorSp
             shards_dim0 = isinstance(tp_pl, Shard) and tp_pl.dim == 0
             placements.append(_StridedShard(0, split_factor=tp_mesh.size()) if tp_after and shards_dim0 else Shard(0))
     return DTensorSpec(mesh_n, tuple(placements), tp_spec.shape, contiguous_strides(tp_spec.shape), tp_spec.dtype)
+
+
+def _joint_mesh(dp_mesh, tp_mesh):
+    """The mesh of ``dp_mesh``'s dims and ``tp_mesh``'s dim, in the order of the mesh they were
+    cut from (outer dims first).
+
+    Sliced from the root mesh when the root names them all (``init_device_mesh(..., (dp, tp))``
+    then ``mesh["dp"]``, ``mesh["tp"]``).  A mesh made by ``_unflatten`` of a 1-D world mesh (how
+    torchtitan builds every mesh) has that world mesh as its root, which names none of them:
+    then the dims are joined with ``DeviceMesh._concatenate``, which keeps their process groups
+    (no new group, nothing collective), ordered by their rank strides (largest first, the
+    row-major order of the mesh they came from)."""
+    key = (mesh_identity(dp_mesh), tuple(dp_mesh.mesh_dim_names), mesh_identity(tp_mesh),
+           tuple(tp_mesh.mesh_dim_names))
+    hit = _JOINT_MESHES.get(key)
+    if hit is None:
+        hit = _JOINT_MESHES[key] = _build_joint_mesh(dp_mesh, tp_mesh)
+    return hit
+
+
+#: (dp mesh, tp mesh) -> their joint mesh: one mesh object for every parameter of a model
+_JOINT_MESHES: dict = {}
+
+
+def _build_joint_mesh(dp_mesh, tp_mesh):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    root = dp_mesh._get_root_mesh()
+    wanted = set(dp_mesh.mesh_dim_names) | {tp_mesh.mesh_dim_names[0]}
+    root_names = tuple(root.mesh_dim_names or ())
+    if wanted <= set(root_names):
+        names = tuple(n for n in root_names if n in wanted)
+        return root if names == root_names else root[names]
+    dims = [dp_mesh[n] for n in dp_mesh.mesh_dim_names] + [tp_mesh]
+
+    def stride(m):  # ranks one step apart on this 1-D mesh (a size-1 dim: any place is the same)
+        ranks = m.mesh.flatten().tolist()
+        return ranks[1] - ranks[0] if len(ranks) > 1 else 0
+
+    dims.sort(key=stride, reverse=True)
+    try:
+        return DeviceMesh._concatenate(dims)
+    except Exception as e:  # noqa: BLE001 - say which meshes, and what to do
+        raise ValueError(
+            f"fully_shard: cannot join the data-parallel mesh {tuple(dp_mesh.shape)} {dp_mesh.mesh_dim_names} "
+            f"and the tensor-parallel mesh {tuple(tp_mesh.shape)} {tp_mesh.mesh_dim_names} into one mesh "
+            f"({e}); cut both from one mesh, e.g. mesh = init_device_mesh(device, (dp, tp), "
+            "mesh_dim_names=('dp', 'tp')) or world._unflatten(0, (dp, tp), ('dp', 'tp'))") from e
