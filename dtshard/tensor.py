@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import itertools
 import sys
-import weakref
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -64,38 +63,38 @@ def _install_grad_hooks(leaf: "DTensor") -> None:
     """
     if getattr(leaf, "_dtshard_settles_grads", False) or torch.compiler.is_compiling():
         return
-    hook = functools.partial(_grad_as_dtensor, leaf._spec, weakref.ref(leaf))
+    # the hook holds the spec, never the leaf (not even weakly: nn.Module.to / .half() / to_empty
+    # swap a parameter with torch.utils.swap_tensors, which refuses a tensor with a weakref)
+    hook = functools.partial(_grad_as_dtensor, leaf._spec)
     hook.__torch_unserializable__ = True  # torch.save: __setstate__ installs fresh hooks (no warning)
     leaf.register_hook(hook)
     leaf.register_post_accumulate_grad_hook(_settle_grad)
     leaf._dtshard_settles_grads = True
 
 
-def _grad_as_dtensor(spec: DTensorSpec, leaf_ref, grad: torch.Tensor):
+def _grad_as_dtensor(spec: DTensorSpec, grad: torch.Tensor):
     """Tensor hook of a leaf DTensor with ``spec``: a plain gradient becomes a DTensor laid out like
     the leaf (Partial as Replicate); a DTensor gradient passes unchanged (None), or copied into the
     leaf's memory layout where AccumulateGrad would copy it (:func:`_in_leaf_layout`)."""
     if grad is None:  # an undefined gradient (allow_unused)
         return None
     if isinstance(grad, DTensor):
-        return _in_leaf_layout(spec, leaf_ref, grad) if grad._spec.stride != spec.stride else None
+        return _in_leaf_layout(spec, grad) if grad._spec.stride != spec.stride else None
     return _promote_plain(grad, spec.mesh, _grad_placements(spec.placements), shape=spec.shape,
                           what="the gradient of a leaf DTensor")
 
 
-def _in_leaf_layout(spec: DTensorSpec, leaf_ref, grad: "DTensor"):
+def _in_leaf_layout(spec: DTensorSpec, grad: "DTensor"):
     """A gradient that is not laid out like its leaf (a transposed weight gradient: the backward
     of ``x @ w.t()``, as compiled graphs return it) is copied by AccumulateGrad into the leaf's
     layout when the leaf has no gradient yet; for a DTensor that copy is three dispatched ops
-    (detach, new_empty_strided, copy_).  Made here instead, as one local copy, exactly when
-    AccumulateGrad would copy: a contiguous leaf without a gradient, no double backward.  Values
-    never change, only the layout (so a wrong guess would cost a copy, never a result)."""
+    (detach, new_empty_strided, copy_).  Made here instead, as one local copy, for a contiguous
+    leaf and no double backward.  When the leaf already holds a gradient (accumulation),
+    AccumulateGrad adds this one in place, so the copy was not needed: one local copy more, never
+    a different value (the hook cannot look at the leaf: it holds no reference to it)."""
     gs = grad._spec
     if torch.is_grad_enabled() or gs.halo or spec.halo or gs.shape != spec.shape or gs.dtype != spec.dtype \
             or not placements_equal(gs.placements, spec.placements) or spec.stride != _contiguous_stride(spec.shape):
-        return None
-    leaf = leaf_ref()
-    if leaf is None or leaf.grad is not None:
         return None
     # the same layout as the leaf but for the strides: the leaf's own (contiguous) spec
     return DTensor(grad._local_tensor.contiguous(), spec, requires_grad=False)

@@ -46,6 +46,26 @@ class FSDPModule:
             "dtshard.fsdp: a fully_shard module cannot be deep-copied (its parameters are shards with "
             "hooks); save and load its state_dict() instead, or deep-copy the model before fully_shard.")
 
+    def _apply(self, fn, recurse: bool = True):
+        """``nn.Module.to`` / ``.half()`` / ``.double()`` / ``.cuda()`` / ``to_empty`` go through
+        here.  A conversion that keeps every sharded parameter's dtype and device (``.float()`` on
+        a float32 model, ``.to("cpu")`` on CPU) runs as usual; one that would change them raises
+        before anything changes: the group's flat shard and gather buffers are laid out for one
+        dtype and device, and a swapped parameter would silently keep training the old one."""
+        with torch.no_grad():
+            for state in self._fsdp_states(recurse):
+                for p in state.group.sharded_params:
+                    q = fn(p)
+                    if q.dtype != p.dtype or q.device != p.device:
+                        raise NotImplementedError(
+                            f"dtshard.fsdp: {type(self).__name__}.{fn.__name__ if hasattr(fn, '__name__') else 'to'}"
+                            f" would change a sharded parameter of global shape {tuple(p.shape)} on mesh "
+                            f"{tuple(p.device_mesh.shape)} {p.device_mesh.mesh_dim_names} from {p.dtype} on "
+                            f"{p.device} to {q.dtype} on {q.device}; converting a module after fully_shard is "
+                            "not supported yet. Cast or move the model before fully_shard, or compute in "
+                            "another dtype with fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=...)).")
+        return super()._apply(fn, recurse)
+
     @property
     def _fsdp_state(self) -> FSDPState:
         return self._dtshard_fsdp
