@@ -58,8 +58,7 @@ class FSDPModule:
                     q = fn(p)
                     if q.dtype != p.dtype or q.device != p.device:
                         raise NotImplementedError(
-                            f"dtshard.fsdp: {type(self).__name__}.{fn.__name__ if hasattr(fn, '__name__') else 'to'}"
-                            f" would change a sharded parameter of global shape {tuple(p.shape)} on mesh "
+                            f"dtshard.fsdp: converting {type(self).__name__} (.to / .half / to_empty ...) would change a sharded parameter of global shape {tuple(p.shape)} on mesh "
                             f"{tuple(p.device_mesh.shape)} {p.device_mesh.mesh_dim_names} from {p.dtype} on "
                             f"{p.device} to {q.dtype} on {q.device}; converting a module after fully_shard is "
                             "not supported yet. Cast or move the model before fully_shard, or compute in "
