@@ -483,10 +483,83 @@ def _finish(work, async_op: bool):
     return None
 
 
+class _Done:
+    """The handle of a collective a custom comm ran synchronously (it returned no work)."""
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _run_comm(comm, async_op: bool, **kwargs):
+    """Call a user's FSDP comm object (``torch.distributed.fsdp``'s ``AllGather`` /
+    ``ReduceScatter`` protocol) and return a work handle (``async_op``) or wait."""
+    work = comm(async_op=async_op, **kwargs)
+    if work is None:
+        return _Done() if async_op else None
+    return _finish(work, async_op)
+
+
+def comm_allocate(comm, size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A flat buffer of ``size`` elements from a user's comm object (its ``allocate``), or a
+    plain one when ``comm`` is None."""
+    if comm is None:
+        return torch.empty(size, dtype=dtype, device=device)
+    t = comm.allocate((size,), dtype=dtype, device=device)
+    if t.numel() != size or t.dtype != dtype or t.device != device or not t.is_contiguous():
+        raise ValueError(
+            f"{type(comm).__name__}.allocate(({size},), dtype={dtype}, device={device}) returned a tensor of "
+            f"shape {tuple(t.shape)}, {t.dtype} on {t.device}; it must return a contiguous buffer of that size")
+    return t.view(-1)
+
+
+class ProcessGroupAllocComm:
+    """FSDP comm (all_gather and reduce_scatter) whose staging buffers come from the process
+    group's own allocator where the backend has one (NCCL's, for zero-copy transfers), else
+    plain ones (gloo): ``FSDPModule.set_allocate_memory_from_process_group_for_comm``."""
+
+    def __init__(self, mesh: DeviceMesh, mesh_dim: int):
+        self._pg = _group_object(mesh, mesh_dim)
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        backend = self._pg._get_backend(device)
+        if backend.supports_tensor_alloc(device):
+            return backend.allocate_tensor(math.prod(int(s) for s in size), dtype=dtype, device=device)
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op=None, async_op: bool = False):
+        if op is None:
+            return _pg_all_gather(group, output_tensor, input_tensor, async_op)
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = op
+        opts.asyncOp = async_op
+        return group.reduce_scatter_single(output_tensor, input_tensor, opts)
+
+
+#: ranks -> the separate process group made for them (FSDP's reduce_scatter group)
+_separate_groups: dict = {}
+
+
+def separate_group_mesh(mesh: DeviceMesh, mesh_dim: int) -> DeviceMesh:
+    """A 1-D mesh over this rank's group of ``mesh_dim`` with a process group of its own (one
+    per set of ranks, made once): FSDP's reduce_scatter then runs on a communicator separate
+    from its all_gather's.  Collective over each group's ranks only (local synchronization):
+    every rank of ``mesh`` must call it."""
+    ranks = tuple(dist.get_process_group_ranks(_group_object(mesh, mesh_dim)))
+    hit = _separate_groups.get(ranks)
+    if hit is None:
+        pg = dist.new_group(list(ranks), use_local_synchronization=True, group_desc="dtshard_fsdp_reduce_scatter")
+        hit = _separate_groups[ranks] = DeviceMesh.from_group(pg, mesh.device_type)
+    return hit
+
+
 def all_gather_into(out: torch.Tensor, x: torch.Tensor, mesh: DeviceMesh, mesh_dim: int, *,
-                    async_op: bool = False):
+                    async_op: bool = False, comm=None):
     """Concatenate every rank's contiguous ``x`` along dim 0 into ``out`` (``n * x.numel()``
-    elements, contiguous, same dtype): one ``all_gather_into_tensor`` over one mesh dim."""
+    elements, contiguous, same dtype): one ``all_gather_into_tensor`` over one mesh dim.
+    ``comm``: a user's ``AllGather`` object runs it instead (``set_custom_all_gather``)."""
     pg = _group_object(mesh, mesh_dim)
     n = group_size(mesh, mesh_dim)
     if out.numel() != n * x.numel() or out.dtype != x.dtype or not (out.is_contiguous() and x.is_contiguous()):
@@ -495,11 +568,13 @@ def all_gather_into(out: torch.Tensor, x: torch.Tensor, mesh: DeviceMesh, mesh_d
             f"inputs of {x.numel()} {x.dtype} elements (mesh dim {mesh_dim} of mesh {tuple(mesh.shape)})")
     if _observers:
         _notify("all_gather", mesh_dim, (n - 1) * _nbytes(x), n)
+    if comm is not None:
+        return _run_comm(comm, async_op, output_tensor=out, input_tensor=x, group=pg)
     return _finish(_pg_all_gather(pg, out, x, async_op), async_op)
 
 
 def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, op: str, mesh: DeviceMesh, mesh_dim: int, *,
-                        async_op: bool = False, consume_input: bool = False):
+                        async_op: bool = False, consume_input: bool = False, comm=None):
     """Reduce the contiguous ``x`` (``n * out.numel()`` elements) over one mesh dim; rank ``i``
     gets block ``i`` in ``out``.  ``op``: ``sum``, ``max`` or ``min`` (gloo has no ``avg`` for
     reduce_scatter: callers divide afterwards).
@@ -507,7 +582,9 @@ def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, op: str, mesh: Devic
     ``consume_input``: the caller is done with ``x`` (a packed buffer): where the backend copied
     it while issuing the call (gloo on CPU, see :func:`_pg_reduce_scatter`), its storage is
     released at once (resized to 0), so an asynchronous reduce_scatter holds one copy of the
-    input while in flight, not two.  Elsewhere (NCCL reads it on its stream) it is left alone."""
+    input while in flight, not two.  Elsewhere (NCCL reads it on its stream) it is left alone.
+    ``comm``: a user's ``ReduceScatter`` object runs it instead (``set_custom_reduce_scatter``),
+    with ``ReduceOp.SUM`` for ``sum`` (FSDP divides afterwards)."""
     pg = _group_object(mesh, mesh_dim)
     n = group_size(mesh, mesh_dim)
     if op not in _REDUCE_OPS:
@@ -518,6 +595,8 @@ def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, op: str, mesh: Devic
             f"outputs of {out.numel()} {out.dtype} elements (mesh dim {mesh_dim} of mesh {tuple(mesh.shape)})")
     if _observers:
         _notify("reduce_scatter", mesh_dim, (n - 1) * _nbytes(x) // n, n)
+    if comm is not None:  # a user's ReduceScatter object (set_custom_reduce_scatter)
+        return _run_comm(comm, async_op, output_tensor=out, input_tensor=x, group=pg, op=_REDUCE_OPS[op])
     work = _pg_reduce_scatter(pg, out, x, op, async_op)
     if consume_input and async_op and x.device.type == "cpu" and _is_gloo(pg):
         x.untyped_storage().resize_(0)

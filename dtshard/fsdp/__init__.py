@@ -16,7 +16,7 @@ try:  # PyTorch 2.13's SPMD form of fully_shard (dp_mesh_dims); older versions l
 except ImportError:  # pragma: no cover
     DataParallelMeshDims = None
 
-from dtshard.fsdp._api import FSDPModule, UnshardHandle, fully_shard
+from dtshard.fsdp._api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 
 __all__ = ["CPUOffloadPolicy", "DataParallelMeshDims", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy",
-           "UnshardHandle", "fully_shard"]
+           "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import types
 import warnings
 from typing import Any, Callable, Optional
 
@@ -14,7 +16,7 @@ from dtshard.tensor import DTensor
 from dtshard.fsdp._group import ParamGroup
 from dtshard.fsdp._state import FSDPState
 
-__all__ = ["fully_shard", "FSDPModule", "UnshardHandle"]
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
 
 
 class UnshardHandle:
@@ -91,6 +93,7 @@ class FSDPModule:
         without any reduce_scatter; the next backward with ``True`` reduces the sum."""
         for s in self._fsdp_states(recurse):
             s.group.requires_gradient_sync = requires_gradient_sync
+            s.group.requires_all_reduce = requires_gradient_sync  # as PyTorch: both together
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         if not isinstance(reshard_after_forward, bool):
@@ -121,6 +124,162 @@ class FSDPModule:
         state = self._dtshard_fsdp
         state.lazy_init()
         state.ctx.is_last_backward = is_last_backward
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: with ``False`` the gradients are reduce-scattered over the shard dim but not
+        all-reduced across the replicas; each such output is kept and added to the next
+        reduction that does all-reduce (gradient accumulation with reduce_scatter only).
+        ``.grad`` is set by that reduction.  No effect on 1-D FSDP (nothing to all-reduce)."""
+        for s in self._fsdp_states(recurse):
+            s.group.requires_all_reduce = requires_all_reduce
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide the summed gradients by ``factor`` instead of the data-parallel size (this
+        module's group only, as in PyTorch).  Works on every backend: dtshard sums in the
+        collective and divides afterwards (PyTorch's ``PREMUL_SUM`` needs NCCL)."""
+        if not factor > 0:
+            raise ValueError(f"set_gradient_divide_factor: the factor must be positive, got {factor!r}")
+        self._dtshard_fsdp.group.gradient_divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated alias of :meth:`set_gradient_divide_factor` (as in PyTorch)."""
+        warnings.warn("set_reduce_scatter_divide_factor is deprecated: use set_gradient_divide_factor",
+                      FutureWarning, stacklevel=2)
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Use only sum reductions in the collectives and divide separately.  dtshard's
+        collectives always sum; what changes is when the division happens, hence what an
+        all-reduce hook sees: the sum (divided by a power-of-two pre-factor in float16) instead
+        of the average, exactly as in PyTorch."""
+        self._dtshard_fsdp.group.force_sum_reduction = bool(enable)
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream=None) -> None:
+        """``hook(reduce_output)`` runs on this group's reduced flat gradient shard (in the reduce
+        dtype), after the reduce_scatter (HSDP: after the all-reduce too) and before ``.grad``
+        is set from it; an in-place change of it changes the gradients.  ``stream``: the stream
+        to run it on (not with HSDP, as in PyTorch).  Eager only."""
+        group = self._dtshard_fsdp.group
+        if stream is not None and group.hsdp:
+            raise ValueError("set_all_reduce_hook: stream cannot be set when using HSDP (as in PyTorch)")
+        group.all_reduce_hook = (hook, stream)
+
+    def set_post_optim_event(self, event) -> None:
+        """The root waits on ``event`` (recorded after the optimizer step) before its next
+        forward's all_gather, instead of on the whole current stream; then drops it, so set a
+        new event each iteration.  Any object with ``wait()`` (``torch.Event`` on an accelerator;
+        the CPU has no events, and there the all_gather follows the step anyway)."""
+        state = self._dtshard_fsdp
+        state.lazy_init()
+        state.ctx.post_optim_event = event
+
+    def set_custom_all_gather(self, comm) -> None:
+        """Run this group's all_gather with ``comm``, a ``torch.distributed.fsdp`` ``AllGather``:
+        ``comm.allocate((n,), dtype=, device=)`` gives the output buffer and
+        ``comm(output_tensor=, input_tensor=, group=, async_op=)`` fills it.  Eager only."""
+        self._dtshard_fsdp.group.all_gather_comm = comm
+
+    def set_custom_reduce_scatter(self, comm) -> None:
+        """Run this group's reduce_scatter with ``comm``, a ``torch.distributed.fsdp``
+        ``ReduceScatter`` (``allocate`` for the input and output buffers; called with
+        ``op=ReduceOp.SUM``: FSDP divides afterwards).  Eager only."""
+        self._dtshard_fsdp.group.reduce_scatter_comm = comm
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """With ``True``, every parameter of a group whose backward ran gets its ``.grad`` from
+        the reduction, including those this rank's backward did not reach (zeros in, other
+        ranks' terms out): the same ``.grad`` on every rank when control flow differs between
+        ranks (mixture of experts).  dtshard's reduce_scatter always has the same size on
+        every rank (zeros for missing gradients), so with ``False`` nothing hangs, but such a
+        parameter's ``.grad`` is only set on the ranks that used it."""
+        for s in self._fsdp_states(recurse):
+            s.group.reduce_unused = reduce_scatter_unused_params
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """How many gradient reductions (and their reduce_scatter inputs, where the backend holds
+        them) may be in flight at once (default 1, as PyTorch): a group's post-backward waits
+        for the oldest ones beyond that before it issues its own (HSDP: and then starts their
+        all-reduce).  More overlap, more memory."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+        for s in self._fsdp_states(recurse):
+            s.group.max_rs_buffers = max_input_buffers
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """Run the gradient reduce_scatter on a process group of its own over the same shard ranks
+        (one per set of ranks), so it can progress concurrently with all_gathers.  Collective:
+        call it on every rank of the mesh.  ``False``: back to the shared group."""
+        for s in self._fsdp_states(recurse):
+            g = s.group
+            if g.ddp:
+                continue  # nothing is reduce-scattered
+            g.rs_mesh = (C.separate_group_mesh(g.mesh, g.shard_dim), 0) if enable else None
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """With ``False``, this group's parameters are not all-gathered for backward (for groups
+        whose backward needs none of their values, e.g. an embedding); a backward that does read
+        them fails on the freed storage."""
+        self._dtshard_fsdp.group.unshard_in_backward = unshard_in_backward
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Allocate the all_gather and reduce_scatter staging buffers from the process group's
+        own allocator where its backend has one (NCCL's, for zero-copy transfers), else as
+        usual (gloo).  Not together with a custom comm (as in PyTorch)."""
+        group = self._dtshard_fsdp.group
+        for comm in (group.all_gather_comm, group.reduce_scatter_comm):
+            if comm is not None and not isinstance(comm, C.ProcessGroupAllocComm):
+                raise ValueError(
+                    "set_allocate_memory_from_process_group_for_comm: this module has a custom comm "
+                    f"({type(comm).__name__}); it decides its own buffers")
+        if not enable or group.ddp:
+            group.all_gather_comm = group.reduce_scatter_comm = None
+            return
+        group.all_gather_comm = C.ProcessGroupAllocComm(group.mesh, group.shard_dim)
+        group.reduce_scatter_comm = C.ProcessGroupAllocComm(*(group.rs_mesh or (group.mesh, group.shard_dim)))
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """Symmetric-memory staging buffers for the all_gather (NCCL's copy-engine collectives).
+        Needs CUDA and NCCL's symmetric memory; dtshard does not support it yet, and says so
+        instead of silently running the usual path."""
+        mesh = self._dtshard_fsdp.group.mesh
+        if backend != "NCCL":
+            raise ValueError(f"set_symm_mem_for_comm: only backend='NCCL' exists, got {backend!r}")
+        raise NotImplementedError(
+            f"set_symm_mem_for_comm: symmetric-memory all_gathers need NCCL on CUDA (this mesh is "
+            f"{mesh.device_type!r}), and dtshard.fsdp does not support them yet; leave it unset (the usual "
+            "all_gather runs) or use set_allocate_memory_from_process_group_for_comm(True)")
+
+    def reset_iter_state(self) -> None:
+        """After an exception aborted a forward or backward: wait for the collectives in flight,
+        reshard every group, drop the failed iteration's gradient reductions (and any
+        accumulation), so the next iteration runs normally.  Call it on the root."""
+        state = self._dtshard_fsdp
+        if state.ctx is not None and not state.is_root:
+            raise RuntimeError(
+                f"reset_iter_state: {type(self).__name__} is not the root FSDP module (the root is "
+                f"{type(state.ctx.root.module).__name__}); call it on the root")
+        state.reset_iter_state()
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>`` (not ``forward``) all-gather and free the parameters the
+    way ``forward`` does, e.g. a ``generate`` that does not call ``forward`` (PyTorch 2.13's
+    function, same semantics: a module that is not an FSDP module is left alone)."""
+    if not isinstance(module, FSDPModule):
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method {method_name!r}")
+    orig = getattr(module, method_name)
+
+    @functools.wraps(orig)
+    def wrapped(self, *args, **kwargs):
+        state = self._dtshard_fsdp
+        args, kwargs = state._pre_forward(self, args, kwargs)
+        return state._post_forward(self, args, orig(*args, **kwargs))
+
+    module.__setattr__(method_name, types.MethodType(wrapped, module))
 
 
 def _check_tp_param(where: str, fqn: str, p: DTensor, mesh) -> None:

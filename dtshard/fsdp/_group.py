@@ -172,6 +172,20 @@ class ParamGroup:
         self.state = "sharded"
         self._gather_work = None  # (work, gathered buffer) while an all_gather is in flight
         self._acc: Optional[torch.Tensor] = None  # gradients accumulated without sync (gathered layout)
+        # ---- what FSDPModule's setters change (PyTorch 2.13's semantics; see _api.FSDPModule)
+        #: HSDP (and DDP): all-reduce across the replicas; False keeps the reduce_scatter output in
+        #: ``_partial_out`` and adds it to the next reduction that does all-reduce
+        self.requires_all_reduce = True
+        self._partial_out: Optional[list] = None  # [reduced flat shard, got flags]
+        self.gradient_divide_factor: Optional[float] = None  # None: the data-parallel size
+        self.force_sum_reduction = False  # divide outside the collectives (see _divide_plan)
+        self.all_reduce_hook = None  # (hook, stream): called on the reduced flat gradient shard
+        self.reduce_unused = False  # set a (zero-based) .grad for parameters no rank's backward reached
+        self.unshard_in_backward = True
+        self.all_gather_comm = None  # a user's AllGather / ReduceScatter object (or the PG allocator's)
+        self.reduce_scatter_comm = None
+        self.rs_mesh = None  # (mesh, dim): a process group of the reduce_scatter's own
+        self.max_rs_buffers = 1  # reduce_scatter inputs that may be held in flight at once
         self._init_buffers(params)
 
     # ---- construction -------------------------------------------------------------------
@@ -279,7 +293,7 @@ class ParamGroup:
         in_backward = torch._C._current_graph_task_id() != -1
         self._forward_gather = not in_backward and torch.is_grad_enabled()
         with torch.no_grad():
-            out = torch.empty(self.W * self.S, dtype=self.param_dtype, device=self.device)
+            out = C.comm_allocate(self.all_gather_comm, self.W * self.S, self.param_dtype, self.device)
             if self._post is not None and in_backward:
                 # resharded to k ranks after forward: gather the k slabs (the whole (W, S)
                 # layout, in order) over those k ranks only
@@ -295,7 +309,8 @@ class ParamGroup:
                 self._post = None  # a forward gathers from the shards (the optimizer moved them)
                 inp = self._gather_input()
                 with _fsdp_op():
-                    work = C.all_gather_into(out, inp, self.mesh, self.shard_dim, async_op=True)
+                    work = C.all_gather_into(out, inp, self.mesh, self.shard_dim, async_op=True,
+                                             comm=self.all_gather_comm)
         self._gather_work = (work, out, inp)
         self.state = "gathering"
         if not async_op:
@@ -328,8 +343,10 @@ class ParamGroup:
             j = self.rank % k
             self._post_next = gathered[j * rows:(j + 1) * rows].reshape(-1).clone()
         # free the gathered buffer now, on this thread: the backend's work object may hold a
-        # reference a little longer (and drop it on its own thread)
-        self._free(out)
+        # reference a little longer (and drop it on its own thread).  A user comm's buffer is
+        # its own (it may reuse it): only dropped
+        if self.all_gather_comm is None:
+            self._free(out)
         self._versions = self._sharded_versions()
         self.state = "unsharded"
 
@@ -369,6 +386,15 @@ class ParamGroup:
 
     def drop_post(self) -> None:
         self._post = self._post_next = None
+
+    def reset(self) -> None:
+        """``reset_iter_state``: finish an all_gather in flight, free the full parameters and drop
+        the gradients held for accumulation (a failed iteration's are lost, as in PyTorch)."""
+        self.reshard()
+        self.drop_post()
+        self._acc = None
+        self._acc_got = [False] * len(self.infos)
+        self._partial_out = None
 
     def full_views(self) -> list[torch.Tensor]:
         """Fresh views of the full parameters (one set per forward call: autograd attaches each
@@ -418,7 +444,7 @@ class ParamGroup:
                                forward_dtype=self.param_dtype if self.param_dtype != flat.dtype else None,
                                backward_dtype=self.reduce_dtype)
         gathered = _ScaleGrad.apply(full.to_local(grad_placements=tuple(Partial() for _ in self.placements)),
-                                    1.0 / self.dp_size).view(self.W, self.S)
+                                    1.0 / float(self.gradient_divide_factor or self.dp_size)).view(self.W, self.S)
         # split (not one slice per parameter): its backward is ONE concatenation into the
         # reduce_scatter input, where slices would each scatter into a zero (W, S) buffer
         blocks = gathered.split([info.padded for info in self.infos], dim=1)
@@ -427,6 +453,26 @@ class ParamGroup:
             c = info.padded // info.row_numel if info.row_numel else 0
             outs.append(block.reshape((self.W * c,) + info.shape[1:])[:info.shape[0]])
         return tuple(outs)
+
+    def _divide_plan(self) -> tuple:
+        """``(pre, mid, post)``: the gradient sum is divided by ``pre`` before the reduce_scatter,
+        by ``mid`` after the reductions and before the all-reduce hook, by ``post`` after the
+        hook (None: not at that point).  The factor is ``set_gradient_divide_factor``'s, else the
+        data-parallel size.  PyTorch's FSDP2 rules, so a hook sees the same values: in float32
+        and bfloat16 PyTorch divides inside the collective (AVG / PREMUL_SUM), so the hook sees
+        the average, unless ``set_force_sum_reduction_for_comms``; other dtypes (float16,
+        float64) divide by a power of two about sqrt(factor) before and the rest after, so the
+        sum can neither overflow nor underflow.  dtshard's collectives always sum."""
+        factor = float(self.gradient_divide_factor or self.dp_size)
+        if self.reduce_dtype in (torch.float32, torch.bfloat16):
+            if self.force_sum_reduction:
+                return None, None, factor
+            # bfloat16 divides first (exact for a power-of-two factor; the sum cannot overflow)
+            return (factor, None, None) if self.reduce_dtype == torch.bfloat16 else (None, factor, None)
+        pre = 1
+        while factor % pre == 0 and factor / pre > pre:
+            pre *= 2
+        return float(pre), None, factor / pre
 
     @property
     def has_tp(self) -> bool:
@@ -444,7 +490,7 @@ class ParamGroup:
             if self._acc is not None:
                 buf = self._acc
             else:
-                buf = torch.zeros(self.W * self.S, dtype=self.reduce_dtype, device=self.device)
+                buf = C.comm_allocate(self.reduce_scatter_comm, self.W * self.S, self.reduce_dtype, self.device).zero_()
             for g, info in zip(grads, self.infos):
                 if g is not None:
                     self._add_in(buf, g, info)  # (no view of g outlives the call)
@@ -456,19 +502,42 @@ class ParamGroup:
                 return None
             self._acc = None
             self._acc_got = [False] * len(self.infos)
-            if self.reduce_dtype in (torch.float16, torch.bfloat16):
-                buf.div_(self.dp_size)  # low precision: divide first so the sum cannot overflow
+            pre = self._divide_plan()[0]
+            if pre is not None:
+                buf.div_(pre)
             if self.ddp:  # ONE all_reduce of the group's gradients, in place (finish_reduce waits)
+                if not self.requires_all_reduce:
+                    self._keep_partial(buf, got)
+                    return None
+                buf, got = self._add_partial(buf, got)
                 with _fsdp_op():
                     work = C.all_reduce_(buf, "sum", self.mesh, 0, async_op=True)
                 return [work, buf, None, got]
-            out = torch.empty(self.S, dtype=self.reduce_dtype, device=self.device)
+            out = C.comm_allocate(self.reduce_scatter_comm, self.S, self.reduce_dtype, self.device)
+            mesh, dim = self.rs_mesh or (self.mesh, self.shard_dim)
             with _fsdp_op():
                 # the buffer is not read after the call (gloo stages it): released right away,
                 # so the reduction in flight behind the next block's backward holds one copy
-                work = C.reduce_scatter_into(out, buf, "sum", self.mesh, self.shard_dim, async_op=True,
-                                             consume_input=True)
+                work = C.reduce_scatter_into(out, buf, "sum", mesh, dim, async_op=True, consume_input=True,
+                                             comm=self.reduce_scatter_comm)
         return [work, out, buf, got]
+
+    def _keep_partial(self, out: torch.Tensor, got: list) -> None:
+        """``set_requires_all_reduce(False)``: keep this reduction's output (summed over the
+        shard group, not yet over the replicas) for the next one that all-reduces."""
+        if self._partial_out is None:
+            self._partial_out = [out, list(got)]
+        else:
+            self._partial_out[0].add_(out)
+            self._partial_out[1] = [a or b for a, b in zip(self._partial_out[1], got)]
+
+    def _add_partial(self, out: torch.Tensor, got: list) -> tuple:
+        if self._partial_out is not None:
+            kept, kept_got = self._partial_out
+            self._partial_out = None
+            out.add_(kept)
+            got = [a or b for a, b in zip(got, kept_got)]
+        return out, got
 
     def _add_in(self, buf: torch.Tensor, g: torch.Tensor, info: _ParamInfo) -> None:
         for src, dst in self._rank_pieces(g.reshape(-1), buf.view(self.W, self.S), info):
@@ -478,8 +547,13 @@ class ParamGroup:
         """HSDP: once the reduce_scatter is done, start the all_reduce across the replicate dim."""
         work, out = pending[0], pending[1]
         work.wait()
-        self._free(pending[2])  # the reduce_scatter input (see wait_unshard)
-        if self.hsdp:
+        if self.reduce_scatter_comm is None:
+            self._free(pending[2])  # the reduce_scatter input (see wait_unshard)
+        if self.hsdp and not self.requires_all_reduce:
+            self._keep_partial(out, pending[3])
+            pending[0] = pending[1] = None  # nothing for finish_reduce to set
+        elif self.hsdp:
+            pending[1], pending[3] = self._add_partial(out, pending[3])
             with _fsdp_op():
                 pending[0] = C.all_reduce_(out, "sum", self.mesh, 0, async_op=True)
         else:
@@ -492,9 +566,23 @@ class ParamGroup:
         work, out, _, got = pending
         if work is not None:
             work.wait()
+        if out is None:  # HSDP without all-reduce: kept for a later reduction
+            return
+        if self.reduce_unused:  # every rank sets the same .grad (zeros where no rank had one)
+            got = [True] * len(got)
+        _, mid, post = self._divide_plan()
         with torch.no_grad():
-            if self.reduce_dtype not in (torch.float16, torch.bfloat16):
-                out.div_(self.dp_size)
+            if mid is not None:
+                out.div_(mid)
+            if self.all_reduce_hook is not None:
+                hook, stream = self.all_reduce_hook
+                if stream is not None:
+                    with torch.get_device_module(self.device.type).stream(stream):
+                        hook(out)
+                else:
+                    hook(out)
+            if post is not None and post != 1:
+                out.div_(post)
             for p, info, has in zip(self.sharded_params, self.infos, got):
                 if not has or not p.requires_grad:
                     continue

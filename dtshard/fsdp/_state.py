@@ -58,6 +58,8 @@ class _Context:
         self.callback_queued = False
         self.pending: list = []  # [(state, reduction)] waiting for the end of backward
         self.is_last_backward = True
+        #: set_post_optim_event: the root's first all_gather of the next forward waits on it
+        self.post_optim_event = None
 
 
 class FSDPState:
@@ -126,6 +128,9 @@ class FSDPState:
             return self._cast_inputs(args, kwargs)
         if self.is_root:
             self._finish_iteration()  # a forward without backward (eval) may have left work
+            if ctx.post_optim_event is not None:  # the optimizer step is done before we gather
+                event, ctx.post_optim_event = ctx.post_optim_event, None
+                event.wait()
         if not ctx.order_fixed and self not in ctx.forward_order:
             ctx.forward_order.append(self)
         if self.group.is_stale():
@@ -175,6 +180,12 @@ class FSDPState:
     # and reshard_after_forward is recomputation (the all_gather runs again in backward).
     # Prefetch and overlap are the compiler's scheduling of the functional collectives.
     def _traced_pre_forward(self, args, kwargs):
+        g = self.group
+        if g.all_gather_comm is not None or g.reduce_scatter_comm is not None or g.all_reduce_hook is not None:
+            raise NotImplementedError(
+                f"dtshard.fsdp: {type(self.module).__name__} has a custom all_gather / reduce_scatter comm or an "
+                "all-reduce hook, which run in eager mode only; under torch.compile the collectives are the "
+                "graph's. Compile without them, or run this module eagerly.")
         if not self._bound:  # a module list: the first module to run gathers the group
             reshard = self.has_parent if self.auto_reshard else self.group.reshard_after_forward
             self._bind_fulls(self.group.traced_full_params(recompute=reshard))
@@ -260,6 +271,11 @@ class FSDPState:
         if not ctx.callback_queued:
             ctx.callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if not self.group.unshard_in_backward:  # set_unshard_in_backward(False): backward needs none
+            for other in self._prev_in_forward():
+                if other.group.unshard_in_backward:
+                    other.group.unshard(async_op=True)
+            return
         self.group.unshard()
         if not self._bound and any(p.requires_grad for p in self.group.sharded_params):
             # a forward recomputed in this backward (activation checkpointing inside the module's
@@ -268,16 +284,15 @@ class FSDPState:
             with torch.enable_grad():  # backward runs with grad mode off
                 self._bind(count=False)
         for other in self._prev_in_forward():
-            other.group.unshard(async_op=True)
+            if other.group.unshard_in_backward:
+                other.group.unshard(async_op=True)
 
     def _post_backward(self, grads) -> None:
         g = self.group
         self._unbind()
-        # the previous group's reduce_scatter has had this group's backward to run: move it on
-        # (HSDP: start its all_reduce across replicas)
-        for s, red in self.ctx.pending:
-            if red[2] is not None:
-                s.group.start_replicate_reduce(red)
+        # the previous groups' reduce_scatters have had this group's backward to run: move them
+        # on (HSDP: start their all_reduce across replicas), all but the newest k - 1 of them
+        self._cap_reduce_inputs()
         # a module called twice in one forward has two _Unshard nodes: free the full parameters
         # only after the last of them, the other's backward may still read them.  Free them
         # BEFORE the gradient buffer is allocated (every node that read them has run: this node
@@ -288,6 +303,16 @@ class FSDPState:
         red = g.reduce_grads(grads)
         if red is not None:
             self.ctx.pending.append((self, red))
+
+    def _cap_reduce_inputs(self) -> None:
+        """Before this group's reduce_scatter is issued, wait for the oldest reductions in flight
+        (and free their inputs, where the backend holds them) until fewer than k are left:
+        ``set_reduce_scatter_max_input_buffers(k)``, 1 by default (PyTorch's default)."""
+        k = self.group.max_rs_buffers
+        held = [(s, red) for s, red in self.ctx.pending if red[2] is not None]
+        while len(held) >= k:
+            s, red = held.pop(0)
+            s.group.start_replicate_reduce(red)
 
     def _end_of_backward(self) -> None:
         """Engine callback, after the whole backward: every gradient is reduced and in place
@@ -311,6 +336,28 @@ class FSDPState:
         for s, red in ctx.pending:
             s.group.finish_reduce(red)
         ctx.pending.clear()
+
+    def reset_iter_state(self) -> None:
+        """After an exception aborted a forward or backward: wait for the collectives in flight,
+        reshard every group, drop the failed iteration's gradient reductions and accumulation,
+        and clear the per-iteration state, so the next iteration runs normally."""
+        ctx = self.ctx
+        if ctx is None:
+            return
+        for _, red in ctx.pending:  # every rank issued them: wait, so the process group stays in step
+            if red[0] is not None:
+                red[0].wait()
+        ctx.pending.clear()
+        ctx.callback_queued = False
+        ctx.is_last_backward = True
+        ctx.post_optim_event = None
+        if not ctx.order_fixed:
+            ctx.forward_order.clear()
+        for s in ctx.states:
+            s._unbind()
+            s._live = 0
+            s._to_run.clear()
+            s.group.reset()
 
     def _finish_iteration(self) -> None:
         ctx = self.ctx
