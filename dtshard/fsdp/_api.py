@@ -31,6 +31,10 @@ class UnshardHandle:
         self._states = []
 
 
+#: the FSDP module whose ``_apply`` is running (its submodules' calls only convert)
+_APPLYING: list = []
+
+
 class FSDPModule:
     """Mixed into the class of every module ``fully_shard`` was applied to (``FSDP<Class>``), so
     ``isinstance(m, dtshard.fsdp.FSDPModule)`` holds and the methods below are available."""
@@ -50,22 +54,24 @@ class FSDPModule:
 
     def _apply(self, fn, recurse: bool = True):
         """``nn.Module.to`` / ``.half()`` / ``.double()`` / ``.cuda()`` / ``to_empty`` go through
-        here.  A conversion that keeps every sharded parameter's dtype and device (``.float()`` on
-        a float32 model, ``.to("cpu")`` on CPU) runs as usual; one that would change them raises
-        before anything changes: the group's flat shard and gather buffers are laid out for one
-        dtype and device, and a swapped parameter would silently keep training the old one."""
-        with torch.no_grad():
-            for state in self._fsdp_states(recurse):
-                for p in state.group.sharded_params:
-                    q = fn(p)
-                    if q.dtype != p.dtype or q.device != p.device:
-                        raise NotImplementedError(
-                            f"dtshard.fsdp: converting {type(self).__name__} (.to / .half / to_empty ...) would change a sharded parameter of global shape {tuple(p.shape)} on mesh "
-                            f"{tuple(p.device_mesh.shape)} {p.device_mesh.mesh_dim_names} from {p.dtype} on "
-                            f"{p.device} to {q.dtype} on {q.device}; converting a module after fully_shard is "
-                            "not supported yet. Cast or move the model before fully_shard, or compute in "
-                            "another dtype with fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=...)).")
-        return super()._apply(fn, recurse)
+        here: the full parameters are freed, the conversion swaps each sharded parameter for
+        its converted self (same object, as ``torch.utils.swap_tensors`` keeps it: optimizers
+        holding it stay valid), and every group is laid out again in the new dtype and device
+        (:meth:`ParamGroup.rebuild`).  Meta-device init: build on ``meta``, ``fully_shard``,
+        then ``to_empty(device=...)`` and initialise the (sharded) parameters in place."""
+        if _APPLYING:  # a submodule inside an outer conversion: the outermost rebuilds (once)
+            return super()._apply(fn, recurse)
+        states = self._fsdp_states(recurse)
+        for state in states:
+            state.group.reshard()
+        _APPLYING.append(self)
+        try:
+            out = super()._apply(fn, recurse)
+        finally:
+            _APPLYING.pop()
+        for state in states:  # after every module of a module-list group was converted
+            state.group.rebuild()
+        return out
 
     @property
     def _fsdp_state(self) -> FSDPState:
@@ -590,8 +596,6 @@ def fully_shard(
             _check_tp_param(where, fqn, p, mesh)
         if p.dim() == 0:
             raise NotImplementedError(f"{where}: parameter {fqn!r} is 0-dim; FSDP shards dim 0 (make it shape (1,))")
-        if p.device.type == "meta":
-            raise NotImplementedError(f"{where}: parameter {fqn!r} is on the meta device; materialize it first")
         if shard_placement_fn is not None:
             placement = shard_placement_fn(p)
             if placement is not None and not (getattr(placement, "dim", None) == 0 and type(placement).__name__ == "Shard"):
@@ -617,13 +621,13 @@ def fully_shard(
         raise NotImplementedError(f"{where}: only floating-point parameters are supported, got {dtypes}")
 
     # ---- build the group
-    if params and params[0][1].device != device:
+    if params and params[0][1].device != device and params[0][1].device.type != "meta":
         with torch.no_grad():
             params = [(fqn, p.to(device), o) for fqn, p, o in params]
     for top in modules:
         for buf_owner in top.modules():  # buffers follow the module to the mesh's device (as PyTorch)
             for k, b in buf_owner._buffers.items():
-                if b is not None and b.device != device:
+                if b is not None and b.device != device and b.device.type != "meta":
                     buf_owner._buffers[k] = b.to(device)
     group = ParamGroup(modules[0], params, mesh, device, mp_policy, offload_policy,
                        reshard_after_forward if reshard_after_forward is not None else True, spmd_layouts, ddp=ddp)

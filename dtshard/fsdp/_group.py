@@ -153,8 +153,10 @@ class ParamGroup:
         from torch.distributed.fsdp import CPUOffloadPolicy
 
         self.offload = isinstance(offload_policy, CPUOffloadPolicy)
-        # where the sharded parameters (and the optimizer state) live
-        self.shard_device = torch.device("cpu") if self.offload else device
+        # where the sharded parameters (and the optimizer state) live.  A model built on the meta
+        # device keeps its shards there (metadata only) until ``to_empty`` (see rebuild)
+        on_meta = bool(params) and params[0][1].device.type == "meta"
+        self.shard_device = torch.device("meta") if on_meta else torch.device("cpu") if self.offload else device
         self.reshard_after_forward = reshard_after_forward
         #: an int ``reshard_after_forward=k``: the mesh ``(-1, k)`` of the same ranks whose dim 1
         #: is the group of k the parameters are resharded to after forward (set by fully_shard)
@@ -243,6 +245,45 @@ class ParamGroup:
         # stay the same objects across reshard / unshard
         self.flat_full = torch.empty(self.full_numel, dtype=self.param_dtype, device=self.device)
         self._free(self.flat_full)
+
+    def rebuild(self) -> None:
+        """After ``nn.Module._apply`` (``to_empty``, ``.to(dtype / device)``, ``.half()`` ...)
+        swapped the sharded parameters for converted ones: lay the group out again in their
+        dtype and on their device, as PyTorch's ``reset_sharded_param`` does.  The new local
+        shards are copied into a new flat shard (zero padding) and the parameters become views
+        of it again; the full-parameter buffer is made in the new param dtype.  Gradients held
+        for accumulation are converted.  Every rank converts the same way: no collective."""
+        if not self.sharded_params:
+            return
+        self.reshard()
+        self.drop_post()
+        local0 = self.sharded_params[0]._local_tensor
+        dtypes = {p.dtype for p in self.sharded_params}
+        devices = {p._local_tensor.device for p in self.sharded_params}
+        if len(dtypes) > 1 or len(devices) > 1:
+            raise NotImplementedError(
+                f"dtshard.fsdp: a conversion left the parameters of one fully_shard group in several dtypes / "
+                f"devices ({sorted(map(str, dtypes))}, {sorted(map(str, devices))}); convert the whole group alike")
+        self.orig_dtype = local0.dtype
+        self.shard_device = local0.device
+        if local0.device.type != "meta" and not self.offload:
+            self.device = local0.device
+        self.param_dtype = self.mp.param_dtype or self.orig_dtype
+        self.reduce_dtype = self.mp.reduce_dtype or self.param_dtype
+        flat = torch.zeros(self.S, dtype=self.orig_dtype, device=self.shard_device)
+        with torch.no_grad():
+            for p, info in zip(self.sharded_params, self.infos):
+                view = self._shard_view(flat, info)
+                view.copy_(p._local_tensor)
+                p._local_tensor = view
+                info.spec = p._spec
+        self.flat_shard = flat
+        self.flat_full = torch.empty(self.full_numel, dtype=self.param_dtype, device=self.device)
+        self._free(self.flat_full)
+        if self._acc is not None:
+            self._acc = self._acc.to(dtype=self.reduce_dtype, device=self.device)
+        if self._partial_out is not None:
+            self._partial_out[0] = self._partial_out[0].to(dtype=self.reduce_dtype, device=self.device)
 
     def _spmd_placements(self, spmd) -> tuple:
         """dp_mesh_dims without another mesh dim: the full mesh's placements of a sharded
