@@ -387,6 +387,16 @@ def all_gather_object(obj, mesh: DeviceMesh, mesh_dim: int) -> list:
     return out
 
 
+def all_gather_object_mesh(obj, mesh: DeviceMesh) -> list:
+    """Gather a picklable object from every rank of the whole mesh (all its dims flattened), in
+    no particular order: callers include what identifies the sender (used by checks and by
+    metadata exchanges whose size all ranks know, not hot paths)."""
+    group = mesh.get_group(0) if mesh.ndim == 1 else flat_group(mesh, tuple(range(mesh.ndim)))
+    out = [None] * mesh.size()
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
 def init_device_mesh(device_type: str, mesh_shape, *, mesh_dim_names=None, backend_override=None) -> DeviceMesh:
     """PyTorch's ``init_device_mesh`` (same signature, returns its ``DeviceMesh``), except that
     every mesh-dim process group inherits the default group's timeout.
