@@ -9,7 +9,7 @@ DTensor) and on dtshard, and the generator of ``tests/opinfo/known_failures.json
                                                            # against known_failures.json; writes
                                                            # tests/opinfo/last_full_sweep.json
 
-The test suite runs a fixed sample of the configurations' cases (``SUITE_FRACTION`` in
+The test suite runs a fixed sample of the configurations' cases (``suite_sample`` in
 tests/opinfo/_opinfo_sweep.py); ``--check`` is the exhaustive sweep, with the same verdict the test
 gives, recorded with its date, commit and numbers in ``last_full_sweep.json``.
 
@@ -160,7 +160,7 @@ def check() -> int:
         summary, _ = S.summarize(cases, records)
         dt = time.time() - t0
         out["meshes"][cfg["name"]] = {"cases": len(cases),
-                                      "suite_sample": len(S.sample_cases(cases, S.SUITE_FRACTION[cfg["name"]])),
+                                      "suite_sample": len(S.suite_sample(cfg, cases)),
                                       "summary": vars(summary), "seconds": round(dt, 1),
                                       "verdict": "pass" if not lines else "FAIL", "problems": lines,
                                       "rescues": S.rescue_entries(cases, records),
