@@ -324,6 +324,10 @@ class DTensor(torch.Tensor):
                     f"but global shape {shape} with placements {placements_str(placements)} on mesh "
                     f"{tuple(device_mesh.shape)} gives it {want}; pass shape= for uneven shards."
                 )
+        elif not torch.compiler.is_compiling():
+            # a rank outside the mesh holds an empty shard whatever it passed, as in PyTorch (the
+            # global shape above still comes from what it passed)
+            return DTensor(local_tensor.new_empty(0), spec, requires_grad=False)
         if not (local_tensor.requires_grad and torch.is_grad_enabled()):
             return DTensor(local_tensor.view_as(local_tensor), spec, requires_grad=False)
         grad_placements = tuple(grad_placements) if grad_placements is not None else None

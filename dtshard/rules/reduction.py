@@ -91,6 +91,18 @@ def amax_rule(call: OpCall):
     return reduction_strategies(x, dims, bool(call.arg(2, "keepdim", False)), op, linear=False)
 
 
+@register_rule(aten.histc.default)
+def histc_rule(call: OpCall):
+    """Counts in ``bins`` equal bins over ``[min, max]``.  With a given range (min != max) each
+    shard counts its own elements in the same bins, so the counts are a Partial sum.  With
+    ``min == max`` (the default) the range is the data's own min and max, which no shard knows:
+    replicated only."""
+    x = call.tensors[0]
+    if call.arg(2, "min", 0) == call.arg(3, "max", 0):
+        return []
+    return [((Partial("sum"),), (Shard(d),)) for d in range(x.ndim)]
+
+
 @register_rule([aten.max.default, aten.min.default])
 def max_all_rule(call: OpCall):
     x = call.tensors[0]

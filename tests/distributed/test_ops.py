@@ -263,7 +263,7 @@ def _missing_rule():
     full = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))  # the same on every rank
     a = dtshard.distribute_tensor(full, m, [Shard(0)])
     try:
-        torch.histc(a)  # an op without a rule
+        torch.ops.aten.unfold_copy(a, 1, 2, 1)  # an op without a rule
     except NotImplementedError as e:
         msg = str(e)
     else:
@@ -273,17 +273,17 @@ def _missing_rule():
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         with dtshard.replicate_fallback():
-            r1 = torch.histc(a)
-            r2 = torch.histc(a)
+            r1 = torch.ops.aten.unfold_copy(a, 1, 2, 1)
+            r2 = torch.ops.aten.unfold_copy(a, 1, 2, 1)
     # against plain PyTorch on the global tensor (not dtshard's own full_tensor of the input)
-    torch.testing.assert_close(r1.full_tensor(), torch.histc(full), rtol=0, atol=0)
+    torch.testing.assert_close(r1.full_tensor(), full.unfold(1, 2, 1), rtol=0, atol=0)
     assert r2.placements == (Replicate(),)
-    return msg, sum("no sharding rule for aten.histc.default" in str(x.message) for x in w)
+    return msg, sum("no sharding rule for aten.unfold_copy.default" in str(x.message) for x in w)
 
 
 def test_missing_rule_error_and_fallback_warns_once():
     for msg, n_warnings in run_distributed(_missing_rule, 2):
-        assert "aten.histc.default" in msg and "(4, 3) (S(0))" in msg and "mesh (2,)" in msg
+        assert "aten.unfold_copy.default" in msg and "(4, 3) (S(0))" in msg and "mesh (2,)" in msg
         assert "dtshard/rules/" in msg and "replicate_fallback" in msg
         assert n_warnings == 1
 

@@ -80,7 +80,7 @@ def _redistribute_to_other_mesh():
 
 
 def _op_without_rule():
-    torch.histc(_dt())
+    torch.ops.aten.unfold_copy(_dt(), 1, 2, 1)
 
 
 def _rule_returns_wrong_arity():
@@ -160,7 +160,7 @@ CASES = {
     "illegal target placement": (_redistribute_illegal_placement, ValueError, ["'prod'", "not supported", "'product'"]),
     "target dim out of range": (_redistribute_dim_out_of_range, ValueError, ["Shard(5)", "2-D tensor"]),
     "redistribute to another mesh": (_redistribute_to_other_mesh, ValueError, ["another mesh"]),
-    "op without a rule": (_op_without_rule, NotImplementedError, ["aten.histc.default", "(4, 3) (S(0))", "dtshard/rules/"]),
+    "op without a rule": (_op_without_rule, NotImplementedError, ["aten.unfold_copy.default", "(4, 3) (S(0))", "dtshard/rules/"]),
     "rule: wrong arity": (_rule_returns_wrong_arity, dtshard.RuleError, ["aten.mm.default", "1 input", "2 DTensor inputs"]),
     "rule: bad shard dim": (_rule_returns_bad_dim, dtshard.RuleError, ["Shard(2)", "2-D tensor"]),
     "rule: not a placement": (_rule_returns_non_placement, dtshard.RuleError, ["'S0'", "not a placement"]),
