@@ -260,3 +260,51 @@ def test_fully_shard_meta_init_to_empty_and_casts_match_pytorch(kind):
             # may differ by the bf16 rounding of that step: 2 ulps of bf16 at 0.5 is 2 * 2**-9
             tol = 1e-12 if name == "double" else 2 * 2 ** -9
             assert err <= tol, (rank, kind, name, err)
+
+
+def _hsdp_tp_unflatten_and_from_group():
+    """HSDP x TP on a 3-D mesh made by ``_unflatten`` of the world mesh (``mesh["replicate",
+    "shard"]`` for FSDP, ``mesh["tp"]`` for TP), and FSDP on a mesh made by
+    ``DeviceMesh.from_group``: placements and one fp64 step's gradients against PyTorch's."""
+    import torch.distributed as dist
+    import torch.distributed.tensor.parallel as torch_tp
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.device_mesh import init_device_mesh as torch_init
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import dtshard
+    import dtshard.parallel as our_tp
+    from dtshard.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    base = _MLP().double()
+    x = torch.randn(8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    runs = {}
+    for lib, init, tp, fs in (("ours", dtshard.init_device_mesh, our_tp, fully_shard),
+                              ("theirs", torch_init, torch_tp, torch_fully_shard)):
+        mesh = init("cpu", (8,), mesh_dim_names=("world",))._unflatten(0, (2, 2, 2), ("replicate", "shard", "tp"))
+        m = copy.deepcopy(base)
+        tp.parallelize_module(m, mesh["tp"], {"up": tp.ColwiseParallel(), "down": tp.RowwiseParallel()})
+        fs(m, mesh=mesh["replicate", "shard"])
+        me = mesh["replicate"].get_local_rank() * 2 + mesh["shard"].get_local_rank()
+        m(x[2 * me:2 * me + 2]).pow(2).sum().backward()
+        hsdp = ({n: (str(tuple(p.placements)), p.device_mesh.mesh_dim_names) for n, p in m.named_parameters()},
+                [p.grad.full_tensor() for p in m.parameters()])
+        fm = DeviceMesh.from_group(dist.new_group(list(range(8))), "cpu")
+        m = copy.deepcopy(base)
+        fs(m, mesh=fm)
+        m(x[dist.get_rank():dist.get_rank() + 1]).pow(2).sum().backward()
+        runs[lib] = (hsdp, ({n: str(tuple(p.placements)) for n, p in m.named_parameters()},
+                            [p.grad.full_tensor() for p in m.parameters()]))
+    out = []
+    for (lay, g), (tlay, tg) in zip(runs["ours"], runs["theirs"]):
+        out.append((lay, tlay, max((a - b).abs().max().item() for a, b in zip(g, tg))))
+    return out
+
+
+def test_hsdp_tp_on_an_unflattened_3d_mesh_and_fsdp_on_from_group():
+    for rank, rows in enumerate(run_distributed(_hsdp_tp_unflatten_and_from_group, 8, timeout=300)):
+        (lay, tlay, err), (flay, ftlay, ferr) = rows
+        assert lay == tlay and lay["up.weight"][0] == "(Replicate(), _StridedShard(dim=0, sf=2), Shard(dim=0))", (rank, lay)
+        assert err <= 1e-12, (rank, err)
+        assert flay == ftlay and ferr <= 1e-12, (rank, flay, ftlay, ferr)
