@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-from dtshard.testing import run_distributed
+from dtshard.testing import run_distributed, shutdown_pools
 
 
 def _worker():
@@ -48,7 +48,14 @@ def test_pytorch_dtensor_test_patterns():
     base = torch.arange(6 * 4, dtype=torch.float64).reshape(6, 4)
     x = torch.linspace(-1, 11, 23)
     want_h = (torch.histc(x, bins=5, min=0, max=10), torch.histc(x, bins=4))
-    for rank, res in enumerate(run_distributed(_worker, 4, timeout=180)):
+    try:
+        results = run_distributed(_worker, 4, timeout=180)
+    finally:
+        # after this test the next test's new process groups waited on different store keys on
+        # different ranks (seen; most likely DeviceMesh("cpu", [0, 2]) made groups on some ranks
+        # only): later tests get fresh workers
+        shutdown_pools(4)
+    for rank, res in enumerate(results):
         ours, theirs = res["dtshard"], res["torch"]
         shape, local, plus, rep, rep_val = ours["outside"]
         assert (shape, local, plus, rep) == theirs["outside"][:4], (rank, ours["outside"][:4], theirs["outside"][:4])
