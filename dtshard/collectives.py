@@ -479,7 +479,7 @@ def _pg_reduce_scatter(pg, out: torch.Tensor, x: torch.Tensor, op: str, async_op
     input is not read after the call returns (``tests/distributed/test_collective_staging.py``
     checks it, so a PyTorch upgrade that changes it fails there first)."""
     opts = dist.ReduceScatterOptions()
-    opts.reduceOp = _REDUCE_OPS[op]
+    opts.reduceOp = _REDUCE_OPS[op] if isinstance(op, str) else op  # a name, or a ReduceOp
     if hasattr(pg, "reduce_scatter_single"):
         opts.asyncOp = async_op
         return pg.reduce_scatter_single(out, x, opts)
@@ -542,10 +542,7 @@ class ProcessGroupAllocComm:
     def __call__(self, output_tensor, input_tensor, group, op=None, async_op: bool = False):
         if op is None:
             return _pg_all_gather(group, output_tensor, input_tensor, async_op)
-        opts = dist.ReduceScatterOptions()
-        opts.reduceOp = op
-        opts.asyncOp = async_op
-        return group.reduce_scatter_single(output_tensor, input_tensor, opts)
+        return _pg_reduce_scatter(group, output_tensor, input_tensor, op, async_op)
 
 
 #: ranks -> the separate process group made for them (FSDP's reduce_scatter group)

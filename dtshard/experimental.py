@@ -59,16 +59,6 @@ def local_map(func: Optional[Callable] = None, out_placements=None, in_placement
                              device_mesh, redistribute_inputs)
 
 
-def _uneven(t: DTensor) -> bool:
-    """Is some sharded dim of ``t`` not divisible by the number of its shards (metadata only)?"""
-    spec = t._spec
-    parts: dict = {}
-    for i, p in enumerate(spec.placements):
-        if is_shard(p):
-            parts[p.dim] = parts.get(p.dim, 1) * spec.mesh.size(i)
-    return any(spec.shape[d] % n for d, n in parts.items())
-
-
 def _local_map_call(func, out_placements, in_placements, in_grad_placements, device_mesh, redistribute_inputs,
                     *args, **kwargs):
     flat, tree = pytree.tree_flatten(args)
@@ -130,7 +120,7 @@ def _local_map_call(func, out_placements, in_placements, in_grad_placements, dev
 def _global_shapes(outs, specs, dts, mesh) -> list:
     """The global shape of each tensor output (None for non-tensors, and where even shards are
     assumed: every DTensor argument evenly sharded, as PyTorch assumes)."""
-    if not any(_uneven(t) for t in dts):
+    if all(t._spec.is_even() for t in dts):
         return [None] * len(outs)
     tensors = [(k, o, tuple(spec)) for k, (o, spec) in enumerate(zip(outs, specs)) if isinstance(o, torch.Tensor)]
     shapes: list = [None] * len(outs)
@@ -166,7 +156,7 @@ def _shape_from_inputs(o, spec, dts, mesh) -> tuple:
         cands = set()
         for t in dts:
             for dd in range(t.dim()):
-                if tuple(i for i, p in enumerate(t.placements) if is_shard(p) and p.dim == dd) == dims:
+                if tuple(t._spec.shard_mesh_dims(dd)) == dims:
                     cands.add(t.shape[dd])
         if len(cands) != 1:
             n = math.prod(mesh.size(i) for i in dims)
