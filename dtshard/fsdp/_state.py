@@ -271,11 +271,14 @@ class FSDPState:
         if not ctx.callback_queued:
             ctx.callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        if not self.group.unshard_in_backward:  # set_unshard_in_backward(False): backward needs none
-            for other in self._prev_in_forward():
-                if other.group.unshard_in_backward:
-                    other.group.unshard(async_op=True)
-            return
+        if self.group.unshard_in_backward:  # set_unshard_in_backward(False): backward needs none
+            self._unshard_for_backward()
+        for other in self._prev_in_forward():
+            if other.group.unshard_in_backward:
+                other.group.unshard(async_op=True)
+
+    def _unshard_for_backward(self) -> None:
+        """Gather this group for its backward (waits for a prefetch) and bind it if needed."""
         self.group.unshard()
         if not self._bound and any(p.requires_grad for p in self.group.sharded_params):
             # a forward recomputed in this backward (activation checkpointing inside the module's
@@ -283,9 +286,6 @@ class FSDPState:
             # as in forward so it saves the same tensors (that _Unshard node never runs backward)
             with torch.enable_grad():  # backward runs with grad mode off
                 self._bind(count=False)
-        for other in self._prev_in_forward():
-            if other.group.unshard_in_backward:
-                other.group.unshard(async_op=True)
 
     def _post_backward(self, grads) -> None:
         g = self.group
