@@ -384,7 +384,8 @@ def _comm_debug_checks():
 
     rank = dist.get_rank()
     mesh = _mesh_2x2()["tp"]
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    # x needs a gradient, so ColwiseParallel's backward reduces it (a collective in backward)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0)).requires_grad_(True)
     results = {}
     for name, lib, tp, modes in (
         ("torch", tdt, tp_torch, [TorchCommDebugMode]),
@@ -403,12 +404,25 @@ def _comm_debug_checks():
             "add": lambda: (a @ b) + c,
             "setup": lambda: lib.distribute_tensor(torch.ones(4, 4), mesh, [Replicate()]),  # broadcast (dtshard)
         }
+        # ops whose plan issues collectives inside their dispatch, forward and backward (PyTorch's
+        # DTensor counts 1 all_gather forward for each; dtshard plans its own, counted all the same)
+        g = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+        s0 = lib.distribute_tensor(g, mesh, [Shard(0)]).requires_grad_(True)
+        programs.update({
+            "cumsum": lambda: torch.cumsum(s0, 0).sum().backward(),
+            "logsumexp": lambda: torch.logsumexp(s0, 0).sum().backward(),
+            "topk": lambda: torch.topk(s0, 2, dim=0).values.sum().backward(),
+        })
         for prog, fn in programs.items():
             for mode in modes:
                 with mode() as cm:
                     fn()
                 results[prog, name, mode.__name__] = (
                     cm.get_total_counts(), dict(cm.get_comm_counts()), dict(cm.get_sharding_info()))
+                if mode is not dtshard.debug.CommCounter:  # per module, forward and backward
+                    results[prog, name, "modules"] = {
+                        mod: {way: dict(c) for way, c in counts.items()}
+                        for mod, counts in cm.comm_module_counts.items()}
                 if mode is dtshard.debug.CommDebugMode and prog == "mm":
                     ops = [op for entry in cm.comm_module_operation_counts.values()
                            for op in entry["operations_list"]]
@@ -423,11 +437,20 @@ def _comm_debug_checks():
                     assert cm.count("broadcast") == (0 if rank in (0, 2) else 1), (rank, cm.records)
 
     funcol = torch.ops.c10d_functional
-    for prog in ("mlp", "sum", "gather", "mm", "add", "setup"):
+    for prog in ("mlp", "sum", "gather", "mm", "add", "setup", "cumsum", "logsumexp", "topk"):
         ours, counter = results[prog, "dtshard", "CommDebugMode"], results[prog, "dtshard", "CommCounter"]
         assert ours == counter, (prog, ours, counter)  # the mode and dtshard's counter agree
         if prog in ("mlp", "sum", "gather"):  # both libraries pick the same collectives here
             assert ours == results[prog, "torch", "CommDebugMode"], (prog, ours, results[prog, "torch", "CommDebugMode"])
+            # ... and attribute them to the same modules, forward and backward
+            assert results[prog, "dtshard", "modules"] == results[prog, "torch", "modules"], (
+                prog, results[prog, "dtshard", "modules"], results[prog, "torch", "modules"])
+    for prog in ("cumsum", "logsumexp", "topk"):  # op-internal collectives are seen, as PyTorch's are
+        assert results[prog, "torch", "CommDebugMode"][0] >= 1, results[prog, "torch", "CommDebugMode"]
+        assert results[prog, "dtshard", "CommDebugMode"][0] >= 1, (prog, results[prog, "dtshard", "CommDebugMode"])
+    mlp_modules = results["mlp", "dtshard", "modules"]
+    assert mlp_modules["_MLP.net2"]["forward"] == {funcol.all_reduce: 1}, mlp_modules
+    assert mlp_modules["_MLP.net1"]["backward"] == {funcol.all_reduce: 1}, mlp_modules
     assert results["mm", "dtshard", "CommDebugMode"][:2] == (1, {funcol.all_to_all_single: 1})
     assert results["setup", "dtshard", "CommDebugMode"][:2] == (1, {funcol.broadcast: 1})
     sharding = results["mlp", "dtshard", "CommDebugMode"][2]
