@@ -91,6 +91,16 @@ class config:
     #: default: on CPU (gloo, inductor) the compiled step is 1.6x SLOWER with it (the split graph
     #: does more work than the one-op exchange it replaces; bench_conv.py ``+compiled`` variants).
     halo_overlap_compiled: bool = False
+    #: Random ops on DTensors (dtshard/rules/random.py).  "global" (the default): every rank draws
+    #: the op's FULL-size random numbers and keeps its slice, so the global values equal one
+    #: process with the same seed on ANY mesh and placements (sharding-invariant init, dropout
+    #: masks, ...).  "local": an in-place fill (``uniform_``, ``normal_``, ``bernoulli_(p)``, ...,
+    #: which ``torch.nn.init`` uses) or ``rand_like``/``randn_like`` of a Shard/Replicate tensor
+    #: draws only the local shard, from a generator seeded by one number drawn from the default
+    #: generator (the same on every rank, which keeps the ranks' generators in step) and the
+    #: rank's shard coordinates: shards still differ and replicas still agree, but the values
+    #: change with the layout.  What "global" costs: benchmarks/bench_random.py.
+    random_draws: str = "global"
     #: Debug/test switch: also run the meta kernel where a rule's ``meta`` function stands in for
     #: it, and raise RuleError when the two disagree (the OpInfo sweep turns this on).
     verify_meta: bool = False

@@ -11,7 +11,9 @@ slice.**  Consequences:
 - every rank's generator advances by the same amount, so later draws stay in step.
 
 The price is that each rank generates ``numel(global)`` random numbers instead of its share (no
-communication, but O(global) work and a transient global-size buffer).  PyTorch's DTensor instead
+communication, but O(global) work and a transient global-size buffer).  ``dtshard.config.
+random_draws = "local"`` opts out for in-place fills and ``rand_like``-style ops of Shard /
+Replicate tensors (see :func:`_local_draw`; measured in benchmarks/bench_random.py).  PyTorch's DTensor instead
 offsets a Philox counter per shard (CUDA only; on CPU it draws per shard from the same state, so
 every shard of a sharded tensor gets the same pattern); an offset-based generator would avoid the
 full draw but cannot reproduce the single-process values.
@@ -40,13 +42,15 @@ _VALUE_FREE = aten_ops([
     "bernoulli_.float", "uniform_", "normal_", "exponential_", "cauchy_", "log_normal_", "geometric_",
     "random_", "random_.from", "random_.to",
 ])
+# out-of-place ops that read only self's shape and dtype
+_LIKE = aten_ops(["rand_like", "randn_like", "randint_like", "randint_like.low_dtype"])
 # everything else: replicate the tensor inputs, run on the full tensors, keep the slice
 _VALUE_DEPENDENT = aten_ops([
     "bernoulli", "bernoulli.p", "bernoulli.Tensor", "bernoulli_.Tensor", "native_dropout",
     "uniform", "normal.Tensor_Tensor", "normal.Tensor_float", "normal.float_Tensor", "normal_functional",
     "cauchy", "exponential", "geometric", "log_normal", "random", "random.from", "random.to",
     "multinomial", "poisson", "binomial", "_standard_gamma", "_sample_dirichlet",
-    "rand_like", "randn_like", "randint_like", "randint_like.low_dtype", "randint_like.Tensor",
+    "randint_like.Tensor",
     "rrelu_with_noise", "rrelu_with_noise_", "rrelu_with_noise_functional", "rrelu", "rrelu_",
     "alpha_dropout", "alpha_dropout_", "feature_alpha_dropout", "feature_alpha_dropout_",
     "dropout", "dropout_", "feature_dropout", "feature_dropout_", "_fused_dropout",
@@ -83,13 +87,52 @@ def _random_handler(op, args, kwargs):
         return _random_impl(op, args, kwargs)
 
 
+def _local_draw(op, args, kwargs, DT):
+    """``config.random_draws == "local"``: draw only this rank's shard.  Returns the op's result,
+    or None where this path does not apply (inputs other than ``self`` that are DTensors, a
+    Partial ``self``, or ranks outside the mesh).  The seed is one number drawn from the caller's
+    generator (the default one unless the op got ``generator=``): every rank draws it, so every
+    rank's generator advances alike whatever its shard; the local generator is seeded by it and
+    by the rank's coordinates on the mesh dims that shard ``self`` (replicas agree)."""
+    self = args[0]
+    if any(isinstance(a, DT) for a in args[1:]) or any(isinstance(v, DT) for v in kwargs.values()):
+        return None
+    if any(not (p.is_shard() or p.is_replicate()) for p in self.placements):
+        return None
+    mesh = self.device_mesh
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return None
+    seed = int(torch.randint(0, 2**62, (1,), generator=kwargs.get("generator")).item())
+    # (a 62-bit draw, mixed with the coordinates below by an affine step: no rank-local data)
+    for d, p in enumerate(self.placements):
+        if p.is_shard():
+            seed = (seed * 1_000_003 + coord[d] + 1) % 2**62
+    local = self.to_local()
+    if op in _LIKE_SET:  # no generator= argument: draw from the default generator, forked
+        devices = [local.device] if local.device.type != "cpu" else []
+        with torch.random.fork_rng(devices=devices, device_type=local.device.type):
+            torch.manual_seed(seed)
+            out = op(local, *args[1:], **kwargs)
+    else:
+        gen = torch.Generator(device=local.device).manual_seed(seed)
+        out = op(local, *args[1:], **{**kwargs, "generator": gen})
+    if out is local:  # an in-place fill: self's shard now holds the draw
+        return self
+    return DT.from_local(out, mesh, self.placements, shape=tuple(self.shape), stride=tuple(self.stride()))
+
+
 def _random_impl(op, args, kwargs):
     DT = _dt_class()
     dts = []
     _walk((list(args), list(kwargs.values())), lambda a: dts.append(a) if isinstance(a, DT) else None)
     mesh = dts[0].device_mesh
     rep = [Replicate()] * mesh.ndim
-    value_free = op in _VALUE_FREE_SET
+    value_free = op in _VALUE_FREE_SET or op in _LIKE_SET
+    if value_free and _config().random_draws == "local" and isinstance(args[0], DT):
+        out = _local_draw(op, args, kwargs, DT)
+        if out is not None:
+            return out
 
     def full(a, self_slot=False):
         if not isinstance(a, DT):
@@ -124,5 +167,12 @@ def _random_impl(op, args, kwargs):
     return _walk(out, wrap)
 
 
+def _config():
+    from dtshard.propagate import config
+
+    return config
+
+
 _VALUE_FREE_SET = frozenset(_VALUE_FREE)
-register_handler(_VALUE_FREE + _VALUE_DEPENDENT)(_random_handler)
+_LIKE_SET = frozenset(_LIKE)
+register_handler(_VALUE_FREE + _LIKE + _VALUE_DEPENDENT)(_random_handler)
