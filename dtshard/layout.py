@@ -24,7 +24,7 @@ from typing import Sequence
 
 from torch.distributed.tensor.placement_types import Placement
 
-from dtshard.spec import Region, local_region
+from dtshard.spec import Region, local_region, placement_key
 
 __all__ = ["Box", "Region", "rank_box", "box_numel", "group_coords", "ExchangePlan", "exchange_plan",
            "exchange_costs"]
@@ -34,8 +34,21 @@ Box = tuple[tuple[int, int], ...]  # (start, stop) per tensor dim: one atom
 
 def rank_box(shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement],
              coord: Sequence[int]) -> Region:
-    """The global region whose values (or, under Partial, terms) the rank at ``coord`` holds."""
-    return local_region(shape, mesh_shape, list(placements), coord)
+    """The global region whose values (or, under Partial, terms) the rank at ``coord`` holds
+    (memoised: the planner asks for the same boxes over and over while it prices plans)."""
+    key = (tuple(shape), tuple(mesh_shape), tuple(placement_key(p) for p in placements), tuple(coord))
+    hit = _box_cache.get(key)
+    if hit is None:
+        hit = local_region(shape, mesh_shape, list(placements), coord)
+        if len(_box_cache) >= _CACHE_MAX:
+            _box_cache.clear()
+        _box_cache[key] = hit
+    return hit
+
+
+_CACHE_MAX = 8192
+_box_cache: dict[tuple, Region] = {}
+_costs_cache: dict[tuple, tuple[int, ...] | None] = {}
 
 
 def box_numel(r: Region) -> int:
@@ -196,6 +209,18 @@ def exchange_costs(shape, mesh_shape, src, dst, dims: Sequence[int]) -> tuple[in
     """Elements each rank (by mesh coordinate, row-major) receives in the exchange over ``dims``
     (the same answer on every rank: computed for every group of the mesh); None if some group
     cannot do it alone."""
+    key = (tuple(shape), tuple(mesh_shape), tuple(placement_key(p) for p in src),
+           tuple(placement_key(p) for p in dst), tuple(dims))
+    if key in _costs_cache:
+        return _costs_cache[key]
+    out = _exchange_costs(shape, mesh_shape, src, dst, dims)
+    if len(_costs_cache) >= _CACHE_MAX:
+        _costs_cache.clear()
+    _costs_cache[key] = out
+    return out
+
+
+def _exchange_costs(shape, mesh_shape, src, dst, dims):
     got_by_coord = {}
     others = [d for d in range(len(mesh_shape)) if d not in dims]
     for outer in itertools.product(*(range(mesh_shape[d]) for d in others)):

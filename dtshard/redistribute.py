@@ -199,37 +199,87 @@ def plan(spec: DTensorSpec, dst: Sequence[Placement]) -> tuple[Step, ...]:
     return steps
 
 
+_dijkstra_cache: dict[tuple, tuple[Step, ...]] = {}
+_DIJKSTRA_CACHE_MAX = 4096  # sub-plans of the flattened-group search repeat across transitions
+
+
 def _dijkstra(spec: DTensorSpec, src: tuple, dst: tuple) -> tuple[Step, ...]:
     """The cheapest sequence of single-mesh-dim steps (ValueError when there is none)."""
     shape, mesh_shape, itemsize = spec.shape, spec.mesh_shape, _itemsize(spec.dtype)
+    key = (src, dst, tuple(shape), tuple(mesh_shape), itemsize)
+    hit = _dijkstra_cache.get(key)
+    if hit is None:
+        hit = _dijkstra_search(shape, mesh_shape, itemsize, src, dst)
+        if len(_dijkstra_cache) >= _DIJKSTRA_CACHE_MAX:
+            _dijkstra_cache.clear()
+        _dijkstra_cache[key] = hit
+    return hit
+
+
+def _dijkstra_search(shape, mesh_shape, itemsize, src: tuple, dst: tuple) -> tuple[Step, ...]:
+    """Dijkstra over placement states (tuples of placements); an edge changes one mesh dim's
+    placement by one legal step (:func:`_step_kind`, :func:`_legal`), priced by
+    :func:`_step_cost`.  The per-state facts those need (each placement's kind, the tensor dims
+    sharded by later mesh dims, the largest local shard) are computed once per state, not per
+    edge: the same plans and costs, in the same order, as evaluating the functions per edge."""
     cands = _candidates(src, dst)
-    # Dijkstra over placement states (tuples of placements)
+    cand_kinds = [(q, _kind(q), q.dim if _kind(q) == "S" else None) for q in cands]
     best: dict[tuple, float] = {src: 0.0}
     heap: list = [(0.0, 0, src, ())]
     tie = 1
+    ndim = len(src)
     while heap:
         cost, _, state, steps = heapq.heappop(heap)
         if state == dst:
             return steps
         if cost > best.get(state, float("inf")):
             continue
-        for i in range(len(state)):
-            for q in cands:
-                if q == state[i]:
+        kinds = [_kind(p) for p in state]
+        sdims = [p.dim if k == "S" else None for p, k in zip(state, kinds)]
+        local = _local_numel(shape, mesh_shape, state) * itemsize
+        for i in range(ndim):
+            p, kp = state[i], kinds[i]
+            later = {d for d in sdims[i + 1:] if d is not None}  # tensor dims later mesh dims shard
+            if kp == "S" and sdims[i] in later:
+                continue  # not the innermost mesh dim sharding that dim: no step off it is legal
+            for q, kq, qdim in cand_kinds:
+                if q == p:
                     continue
-                kind = _step_kind(state[i], q)
-                if kind is None or not _legal(state, i, q):
+                kind = _KIND_OF_STEP.get((kp, kq))
+                if kind is None or (kq == "S" and qdim in later):
                     continue
-                new_state = state[:i] + (q,) + state[i + 1 :]
-                new_cost = cost + _step_cost(shape, mesh_shape, state, i, q, itemsize)
+                new_state = state[:i] + (q,) + state[i + 1:]
+                n = mesh_shape[i]
+                if kind == "all_gather":
+                    step_cost = (n - 1) * local
+                elif kind == "all_reduce":
+                    step_cost = 2 * (n - 1) * local / n
+                elif kind in ("reduce_scatter", "all_to_all"):
+                    step_cost = _split_cost(local, _local_len(shape, mesh_shape, state, qdim), n)
+                else:
+                    step_cost = 0.01 * local + 1.0
+                new_cost = cost + step_cost
                 if new_cost < best.get(new_state, float("inf")):
                     best[new_state] = new_cost
-                    heapq.heappush(heap, (new_cost, tie, new_state, steps + (Step(i, state[i], q, kind),)))
+                    heapq.heappush(heap, (new_cost, tie, new_state, steps + (Step(i, p, q, kind),)))
                     tie += 1
     raise ValueError(
         f"redistribute: no legal path from {placements_str(src)} to {placements_str(dst)} "
         f"for a tensor of shape {tuple(shape)} on a mesh of shape {tuple(mesh_shape)}"
     )
+
+
+def _step_kind_of_kinds(ks: str, kd: str) -> str | None:
+    """:func:`_step_kind` on placement kinds (its branches, letter for letter)."""
+    if ks == "S":
+        return {"R": "all_gather", "S": "all_to_all"}.get(kd)
+    if ks == "R":
+        return "slice" if kd == "S" else "zero"
+    return {"R": "all_reduce", "S": "reduce_scatter"}.get(kd)
+
+
+#: _step_kind by (source kind, destination kind), for the search's inner loop
+_KIND_OF_STEP = {(a, b): _step_kind_of_kinds(a, b) for a in "SRPT?" for b in "SRPT?"}
 
 
 def _steps_cost(spec: DTensorSpec, steps) -> float:
