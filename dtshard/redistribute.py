@@ -217,51 +217,65 @@ def _dijkstra(spec: DTensorSpec, src: tuple, dst: tuple) -> tuple[Step, ...]:
 
 
 def _dijkstra_search(shape, mesh_shape, itemsize, src: tuple, dst: tuple) -> tuple[Step, ...]:
-    """Dijkstra over placement states (tuples of placements); an edge changes one mesh dim's
-    placement by one legal step (:func:`_step_kind`, :func:`_legal`), priced by
-    :func:`_step_cost`.  The per-state facts those need (each placement's kind, the tensor dims
-    sharded by later mesh dims, the largest local shard) are computed once per state, not per
-    edge: the same plans and costs, in the same order, as evaluating the functions per edge."""
+    """Dijkstra over placement states; an edge changes one mesh dim's placement by one legal
+    step (:func:`_step_kind`, :func:`_legal`), priced by :func:`_step_cost`.  A state is a tuple of
+    indices into the candidate placements (ints hash and compare in C; placements do not), and
+    the per-state facts the edges need (each placement's kind, the tensor dims sharded by later
+    mesh dims, the largest local shard) are computed once per state: the same plans and costs,
+    in the same order, as evaluating those functions per edge on placements."""
     cands = _candidates(src, dst)
-    cand_kinds = [(q, _kind(q), q.dim if _kind(q) == "S" else None) for q in cands]
-    best: dict[tuple, float] = {src: 0.0}
-    heap: list = [(0.0, 0, src, ())]
+    index = lambda p: next(k for k, c in enumerate(cands) if c == p)  # noqa: E731
+    kinds = [_kind(q) for q in cands]
+    sdim = [q.dim if k == "S" else None for q, k in zip(cands, kinds)]
+    start, goal = tuple(index(p) for p in src), tuple(index(p) for p in dst)
+    best: dict[tuple, float] = {start: 0.0}
+    heap: list = [(0.0, 0, start, ())]
     tie = 1
     ndim = len(src)
+    mesh_shape = tuple(mesh_shape)
     while heap:
         cost, _, state, steps = heapq.heappop(heap)
-        if state == dst:
-            return steps
+        if state == goal:
+            return tuple(Step(i, cands[a], cands[b], kind) for i, a, b, kind in steps)
         if cost > best.get(state, float("inf")):
             continue
-        kinds = [_kind(p) for p in state]
-        sdims = [p.dim if k == "S" else None for p, k in zip(state, kinds)]
-        local = _local_numel(shape, mesh_shape, state) * itemsize
+        # the largest local shard of this state (coordinate 0 holds the largest chunks)
+        lens = list(shape)
+        for i, a in enumerate(state):
+            if sdim[a] is not None:
+                lens[sdim[a]] = chunk_range(lens[sdim[a]], mesh_shape[i], 0)[1]
+        local = math.prod(lens) * itemsize
         for i in range(ndim):
-            p, kp = state[i], kinds[i]
-            later = {d for d in sdims[i + 1:] if d is not None}  # tensor dims later mesh dims shard
-            if kp == "S" and sdims[i] in later:
+            a = state[i]
+            ka = kinds[a]
+            later = {sdim[b] for b in state[i + 1:] if sdim[b] is not None}  # tensor dims later mesh dims shard
+            if ka == "S" and sdim[a] in later:
                 continue  # not the innermost mesh dim sharding that dim: no step off it is legal
-            for q, kq, qdim in cand_kinds:
-                if q == p:
+            n = mesh_shape[i]
+            for b in range(len(cands)):
+                if b == a:
                     continue
-                kind = _KIND_OF_STEP.get((kp, kq))
-                if kind is None or (kq == "S" and qdim in later):
+                kind = _KIND_OF_STEP.get((ka, kinds[b]))
+                if kind is None or (kinds[b] == "S" and sdim[b] in later):
                     continue
-                new_state = state[:i] + (q,) + state[i + 1:]
-                n = mesh_shape[i]
                 if kind == "all_gather":
                     step_cost = (n - 1) * local
                 elif kind == "all_reduce":
                     step_cost = 2 * (n - 1) * local / n
                 elif kind in ("reduce_scatter", "all_to_all"):
-                    step_cost = _split_cost(local, _local_len(shape, mesh_shape, state, qdim), n)
+                    # the dim being split, in the largest local shard of the CURRENT state
+                    length = shape[sdim[b]]
+                    for j, c in enumerate(state):
+                        if sdim[c] == sdim[b]:
+                            length = chunk_range(length, mesh_shape[j], 0)[1]
+                    step_cost = _split_cost(local, length, n)
                 else:
                     step_cost = 0.01 * local + 1.0
                 new_cost = cost + step_cost
+                new_state = state[:i] + (b,) + state[i + 1:]
                 if new_cost < best.get(new_state, float("inf")):
                     best[new_state] = new_cost
-                    heapq.heappush(heap, (new_cost, tie, new_state, steps + (Step(i, p, q, kind),)))
+                    heapq.heappush(heap, (new_cost, tie, new_state, steps + ((i, a, b, kind),)))
                     tie += 1
     raise ValueError(
         f"redistribute: no legal path from {placements_str(src)} to {placements_str(dst)} "
