@@ -96,6 +96,25 @@ def _check_draws():
             same = torch.equal(full, ref)
             in_step = torch.equal(torch.rand(3), after)  # every rank's generator advanced as one process
             results[name, lay] = (same, in_step)
+    # dropout of a sharded activation moves nothing, forward or backward (its mask is drawn
+    # whole and sliced; the input is not gathered)
+    mesh, placements = _layouts(dtshard)["2x2:S0S1"]
+    g = torch.Generator().manual_seed(5)
+    ref_in = torch.randn(SHAPE, dtype=torch.float64, generator=g).requires_grad_(True)
+    grad_out = torch.randn(SHAPE, dtype=torch.float64, generator=g)
+    torch.manual_seed(9)
+    ref_out = F.dropout(ref_in, 0.3, training=True)
+    ref_out.backward(grad_out)
+    x = dtshard.distribute_tensor(ref_in.detach(), mesh, placements).requires_grad_(True)
+    gy = dtshard.distribute_tensor(grad_out, mesh, placements)
+    torch.manual_seed(9)
+    with dtshard.debug.CommCounter() as comm:
+        y = F.dropout(x, 0.3, training=True)
+        y.backward(gy)
+    moved = comm.count() == 0 and tuple(y.placements) == tuple(placements) == tuple(x.grad.placements)
+    results["dropout moves nothing"] = True if moved else (comm.kinds(), y.placements, x.grad.placements)
+    results["dropout values"] = (torch.equal(y.full_tensor(), ref_out.detach())
+                                 and torch.equal(x.grad.full_tensor(), ref_in.grad), True)
     # the factories with a mesh
     for lay, (mesh, placements) in _layouts(dtshard).items():
         for fname in ("rand", "randn"):
