@@ -41,7 +41,7 @@ from dtshard import collectives as C
 from dtshard import layout as L
 from dtshard._trace import copy_observers, note_copy
 from dtshard.spec import (DTensorSpec, _itemsize, chunk_range, chunk_sizes, is_strided, local_shape,
-                          placement_equal, placement_str, placements_str)
+                          placement_equal, placement_key, placement_str, placements_str)
 from dtshard.spec import placement_kind as _kind
 
 __all__ = ["Step", "GroupStep", "plan", "plan_text", "redistribute_local", "transition_cost"]
@@ -206,7 +206,8 @@ _DIJKSTRA_CACHE_MAX = 4096  # sub-plans of the flattened-group search repeat acr
 def _dijkstra(spec: DTensorSpec, src: tuple, dst: tuple) -> tuple[Step, ...]:
     """The cheapest sequence of single-mesh-dim steps (ValueError when there is none)."""
     shape, mesh_shape, itemsize = spec.shape, spec.mesh_shape, _itemsize(spec.dtype)
-    key = (src, dst, tuple(shape), tuple(mesh_shape), itemsize)
+    key = (tuple(placement_key(p) for p in src), tuple(placement_key(p) for p in dst), tuple(shape),
+           tuple(mesh_shape), itemsize)  # placements by exact type: a strided shard never equals a Shard
     hit = _dijkstra_cache.get(key)
     if hit is None:
         hit = _dijkstra_search(shape, mesh_shape, itemsize, src, dst)
