@@ -3,7 +3,8 @@ mesh, ``dropout``, ``bernoulli_`` and ``normal_`` give the same GLOBAL values on
 placements (1-D meshes of 2 and 4 ranks, a 2x2 mesh, Shard on either dim, strided shards, uneven
 shards, Replicate), equal bit for bit to one process with the same seed, and a different slice on
 every shard; every rank's generator stays in step.  A model built on ``meta``, parallelized,
-``to_empty``-ed and initialised gives the same parameters on 1, 2 and 4 ranks.  PyTorch cannot
+``to_empty``-ed and initialised gives the same parameters on 1, 2 and 4 ranks; so does a
+spatially sharded UNet (then cast and trained a step).  PyTorch cannot
 promise this (pytorch#168058: its per-shard offsets give Shard(0) != Shard(1) != one process).
 4 ranks, one ``run_distributed`` call.
 """
@@ -218,13 +219,57 @@ def _local_mode():
         dtshard.config.random_draws = old
 
 
+def _spatial_meta_init():
+    """A spatially sharded model (dtshard.models.UNet3d: parameters replicated by
+    ``distribute_module``, the volume sharded on D x H of a 2x2 mesh) built on ``meta``,
+    ``to_empty``-ed, initialised by each layer's own ``reset_parameters()`` under one seed, cast
+    (``.double()``, ``.to("cpu")``), then one SGD step: parameters against one process doing the
+    same.  Returns (init equal, max error after the step, parameters still DTensors)."""
+    import dtshard
+    from dtshard import Shard
+    from dtshard.models import UNet3d
+
+    def reset(m):
+        torch.manual_seed(21)
+        for mod in m.modules():
+            if hasattr(mod, "reset_parameters") and mod is not m:
+                mod.reset_parameters()
+
+    def step(m, x, y):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        F.mse_loss(m(x), y).backward()
+        opt.step()
+
+    mesh = dtshard.init_device_mesh("cpu", (2, 2))
+    ref = UNet3d()
+    reset(ref)
+    init_want = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    with torch.device("meta"):
+        model = UNet3d()
+    dtshard.distribute_module(model, mesh)
+    model.to_empty(device="cpu")
+    reset(model)
+    init_ok = all(torch.equal(p.full_tensor(), init_want[n]) for n, p in model.named_parameters())
+    ref = ref.double().to("cpu")
+    model = model.double().to("cpu")
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 1, 8, 8, 4, generator=g, dtype=torch.float64)
+    y = torch.randn(2, 2, 8, 8, 4, generator=g, dtype=torch.float64)
+    step(ref, x, y)
+    placements = [Shard(2), Shard(3)]
+    step(model, dtshard.distribute_tensor(x, mesh, placements), dtshard.distribute_tensor(y, mesh, placements))
+    err = max((p.full_tensor() - q.detach()).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+    kept = all(isinstance(p, dtshard.DTensor) and p.dtype == torch.float64 for p in model.parameters())
+    return init_ok, err, kept
+
+
 def _all_checks():
-    return _check_draws(), _meta_init(), _local_mode()
+    return _check_draws(), _meta_init(), _local_mode(), _spatial_meta_init()
 
 
 def test_random_ops_are_sharding_invariant_and_meta_init_matches_one_process():
     results = run_distributed(_all_checks, 4)
-    for rank, (draws, meta, local) in enumerate(results):
+    for rank, (draws, meta, local, spatial) in enumerate(results):
         bad = {k: v for k, v in draws.items() if v is not True and v != (True, True)}
         assert not bad, (rank, bad)
         for name, (same, layout) in meta.items():
@@ -232,3 +277,6 @@ def test_random_ops_are_sharding_invariant_and_meta_init_matches_one_process():
         assert "Shard(dim=0)" in meta["fsdp on 4 ranks"][1]["up.weight"], meta
         bad = {k: v for k, v in local.items() if v != (True,) * 5}
         assert not bad, (rank, bad)
+        init_ok, err, kept = spatial  # the spatially sharded UNet: meta init, casts, a step
+        assert init_ok and kept, (rank, spatial)
+        assert err < 1e-12, (rank, err)
