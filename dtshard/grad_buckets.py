@@ -26,6 +26,7 @@ import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate
 
 from dtshard import collectives as C
+from dtshard._config import config
 from dtshard.spec import mesh_identity
 
 __all__ = ["bucket_gradient", "flush"]
@@ -70,8 +71,6 @@ def _settled_by_all_reduce(grad, param):
 def bucket_gradient(param, grad) -> bool:
     """Put ``param``'s Partial gradient in a bucket; False when it cannot be bucketed (the caller
     settles it alone).  Only inside a backward pass (the end-of-backward callback finishes it)."""
-    from dtshard.propagate import config
-
     cap = config.grad_bucket_bytes
     task = torch._C._current_graph_task_id()
     if not cap or task == -1 or torch.compiler.is_compiling():

@@ -29,6 +29,7 @@ import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from dtshard import redistribute as R
+from dtshard._config import config  # noqa: F401  (dtshard.config; re-exported here for old imports)
 from dtshard.registry import OpCall, RuleEntry, get_entry
 from dtshard.spec import (DTensorSpec, TensorMeta, contiguous_strides, is_shard, is_strided, local_region,
                           local_shape, mesh_identity, placements_equal, placements_str, split_factor)
@@ -41,69 +42,6 @@ _MAX_CHOICES = 4096
 #: the real zero-element runs (_run_zero_elements) allocate inputs (and, on global shapes,
 #: outputs) of at most this many elements
 _SMALL_RUN = 1 << 16
-
-
-class config:
-    """Global switches (also settable through :func:`dtshard.replicate_fallback`)."""
-
-    #: When an op has no rule, redistribute its inputs to Replicate, run it, and warn once per op
-    #: (instead of raising NotImplementedError).
-    fallback_to_replicate: bool = False
-    #: Check each new plan against the op's meta kernel on every distinct local shape.
-    check_plans: bool = True
-    #: Reduce a leaf DTensor's Partial gradient once, right after autograd accumulates it, to the
-    #: leaf's placements (dtshard.tensor._settle_grads_of), instead of in every optimizer op.
-    settle_partial_grads: bool = True
-    #: Partial gradients settled by a plain all_reduce go in buckets of this many bytes, one
-    #: asynchronous all_reduce per bucket (``dtshard.grad_buckets``; DDP's 25 MiB); 0: one
-    #: collective per gradient, right away.
-    grad_bucket_bytes: int = 25 * 2**20
-    #: Pipelined packing (dtshard.redistribute): a single-mesh-dim all_gather, reduce_scatter or
-    #: all_to_all that needs a packing or unpacking copy (a tensor dim other than 0) and whose
-    #: largest local buffer holds at least twice this many bytes is cut into ``bytes //
-    #: pipeline_chunk_bytes`` pieces (at most ``pipeline_max_chunks``); each piece's collective is
-    #: on the wire while the next piece is packed and the previous one unpacked.  The same plan,
-    #: the same bytes (reported as one collective), each element copied once each way.  0: off.
-    #: Only on meshes whose device type is in ``pipeline_device_types``.  8 MiB pieces: measured on
-    #: 2 and 4 CPU/gloo ranks (benchmarks/bench_pipeline.py, benchmarks/README.md "Pipelined
-    #: packing"), 2 pieces of a 16 MiB S1->R or P->S1 took 0.64-0.98x the time of one collective
-    #: in 9 of 10 runs (1.06x in the tenth), while pieces of 4 MiB or less gained nothing (8 MiB
-    #: transfers) or lost (8 pieces; pairwise all_to_all pieces on 4 ranks).  On CUDA (NCCL) the
-    #: same size, unmeasured here: NCCL reaches its bandwidth well below 8 MiB a message.
-    pipeline_chunk_bytes: int = 8 * 2**20
-    pipeline_max_chunks: int = 8
-    pipeline_device_types: tuple = ("cpu", "cuda")
-    #: A ``ColwiseParallel`` / ``RowwiseParallel`` ``nn.Linear`` runs each eager call as ONE
-    #: autograd node over local tensors when it can (``dtshard.parallel._linear``: the same
-    #: collectives and values as the per-op path, a fraction of its Python); False: always the
-    #: per-op path (benchmarks compare the two).
-    tp_linear_fast_path: bool = True
-    #: A spatially sharded convolution (one sharded dim) overlaps its halo exchanges with compute:
-    #: in backward the input window for the weight gradient travels while the input gradient is
-    #: computed; in forward (``halo_overlap_forward``) the output rows that need no halo are
-    #: computed while the window travels, then the boundary rows.  Measured with bench_conv.py
-    #: (benchmarks/README.md): eagerly, backward 7% faster on 2 and 4 CPU ranks, forward no gain
-    #: there (its join costs a copy of the output), so the forward part is off by default.
-    halo_overlap: bool = True
-    halo_overlap_forward: bool = False
-    #: The same overlap under torch.compile (``halo_overlap_compiled``): the exchange is then an
-    #: async functional all_to_all whose wait the graph places after the interior compute.  Off by
-    #: default: on CPU (gloo, inductor) the compiled step is 1.6x SLOWER with it (the split graph
-    #: does more work than the one-op exchange it replaces; bench_conv.py ``+compiled`` variants).
-    halo_overlap_compiled: bool = False
-    #: Random ops on DTensors (dtshard/rules/random.py).  "global" (the default): every rank draws
-    #: the op's FULL-size random numbers and keeps its slice, so the global values equal one
-    #: process with the same seed on ANY mesh and placements (sharding-invariant init, dropout
-    #: masks, ...).  "local": an in-place fill (``uniform_``, ``normal_``, ``bernoulli_(p)``, ...,
-    #: which ``torch.nn.init`` uses) or ``rand_like``/``randn_like`` of a Shard/Replicate tensor
-    #: draws only the local shard, from a generator seeded by one number drawn from the default
-    #: generator (the same on every rank, which keeps the ranks' generators in step) and the
-    #: rank's shard coordinates: shards still differ and replicas still agree, but the values
-    #: change with the layout.  What "global" costs: benchmarks/bench_random.py.
-    random_draws: str = "global"
-    #: Debug/test switch: also run the meta kernel where a rule's ``meta`` function stands in for
-    #: it, and raise RuleError when the two disagree (the OpInfo sweep turns this on).
-    verify_meta: bool = False
 
 
 class NoRuleError(NotImplementedError):

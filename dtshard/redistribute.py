@@ -40,6 +40,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from dtshard import collectives as C
 from dtshard import layout as L
 from dtshard._trace import copy_observers, note_copy
+from dtshard._config import config
 from dtshard.spec import (DTensorSpec, _itemsize, chunk_range, chunk_sizes, is_strided, local_shape,
                           placement_equal, placement_key, placement_str, placements_str)
 from dtshard.spec import placement_kind as _kind
@@ -728,21 +729,12 @@ class _Pipe:
 
 #: reductions a pipelined reduce_scatter can do (the ProcessGroup's own; avg runs un-pipelined)
 _PIPE_OPS = ("sum", "max", "min", "product")
-_config_ref: list = []
 _pipes: dict = {}
-
-
-def _config():
-    if not _config_ref:
-        from dtshard.propagate import config  # propagate imports this module: bound on first use
-
-        _config_ref.append(config)
-    return _config_ref[0]
 
 
 def _pipe(x: torch.Tensor, spec: DTensorSpec, state, step: Step) -> _Pipe | None:
     """How to cut ``step``'s transfer into pieces, or None for one collective."""
-    cfg = _config()
+    cfg = config
     chunk = cfg.pipeline_chunk_bytes
     # the global tensor bounds every local buffer: most transfers stop here (the dtype, hence the
     # element size, is the same on every rank)

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from dtshard import collectives as C
+from dtshard._config import config
 from dtshard.dispatch import bind_tensor_class, dispatch, resolved_local
 from dtshard.redistribute import redistribute_local
 from dtshard.spec import (DTensorSpec, TensorMeta, global_stride_from_local, is_shard, mesh_identity, normalize_placements,
@@ -123,7 +124,6 @@ def _settle_grad(param: "DTensor") -> None:
     layout, in a bucket with others when that is a plain all_reduce (``dtshard.grad_buckets``),
     else on its own."""
     from dtshard import grad_buckets
-    from dtshard.propagate import config
 
     grad = param.grad
     if not config.settle_partial_grads or not isinstance(grad, DTensor) or not isinstance(param, DTensor):

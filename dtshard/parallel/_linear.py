@@ -37,7 +37,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from dtshard import _trace
 from dtshard import collectives as C
-from dtshard.propagate import config
+from dtshard._config import config
 from dtshard.redistribute import redistribute_local
 from dtshard.spec import DTensorSpec, mesh_identity, normalize_placements
 from dtshard.tensor import DTensor, _contiguous_stride, _grad_placements

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate
 
+from dtshard._config import config
 from dtshard.registry import register_handler
 from dtshard.rules._common import aten_ops
 
@@ -129,7 +130,7 @@ def _random_impl(op, args, kwargs):
     mesh = dts[0].device_mesh
     rep = [Replicate()] * mesh.ndim
     value_free = op in _VALUE_FREE_SET or op in _LIKE_SET
-    if value_free and _config().random_draws == "local" and isinstance(args[0], DT):
+    if value_free and config.random_draws == "local" and isinstance(args[0], DT):
         out = _local_draw(op, args, kwargs, DT)
         if out is not None:
             return out
@@ -165,12 +166,6 @@ def _random_impl(op, args, kwargs):
         return _from_full(o, mesh, ps)
 
     return _walk(out, wrap)
-
-
-def _config():
-    from dtshard.propagate import config
-
-    return config
 
 
 _VALUE_FREE_SET = frozenset(_VALUE_FREE)

@@ -60,6 +60,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from dtshard import _trace
 from dtshard.spatial import halo
 from dtshard import collectives as C
+from dtshard._config import config
 from dtshard.spatial import conv_halo as HC
 from dtshard.spatial import layout as SL
 from dtshard.redistribute import redistribute_local
@@ -503,8 +504,6 @@ def _checked(op, out, plan):
 
 
 def _overlap_on(x, forward: bool = False) -> bool:
-    from dtshard.propagate import config
-
     if torch.compiler.is_compiling() and not config.halo_overlap_compiled:
         return False
     return config.halo_overlap and (config.halo_overlap_forward or not forward) and C.can_overlap(x)
