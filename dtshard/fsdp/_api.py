@@ -13,7 +13,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from dtshard import collectives as C
 from dtshard.tensor import DTensor
-from dtshard.fsdp._group import ParamGroup
+from dtshard.fsdp._group import ParamGroup, tp_mesh_inside
 from dtshard.fsdp._state import FSDPState
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
@@ -299,7 +299,7 @@ def _check_tp_param(where: str, fqn: str, p: DTensor, mesh) -> None:
     if tp_mesh.ndim != 1 or any(is_strided(q) or q.is_partial() for q in p._spec.placements):
         raise NotImplementedError(
             f"{desc}: FSDP x TP takes parameters sharded or replicated on a 1-D tensor-parallel mesh")
-    if _tp_mesh_inside(tp_mesh, mesh):
+    if tp_mesh_inside(tp_mesh, mesh):
         # data x spatial (or context) parallelism: the parameter is replicated over a mesh whose
         # ranks all belong to the FSDP mesh (fully_shard on the flattened (dp, sp) mesh): one
         # reduce_scatter over all of them reduces the spatial partial gradients and the data-
@@ -409,14 +409,6 @@ def _from_spmd(where: str, params: list, spmd) -> tuple[list, dict]:
                                                       stride=p.stride()), requires_grad=p.requires_grad)
         out.append((fqn, q, owners))
     return out, layouts
-
-
-def _tp_mesh_inside(tp_mesh, mesh) -> bool:
-    """Do all ranks of this rank's group of ``tp_mesh`` belong to its group of ``mesh`` (and the
-    latter is larger)?  From the meshes' rank tables: the same answer on every rank."""
-    tp_ranks = set(tp_mesh.mesh.flatten().tolist())
-    ranks = set(mesh.mesh.flatten().tolist())
-    return tp_ranks <= ranks and len(ranks) > len(tp_ranks) and len(tp_ranks) > 1
 
 
 def _state_of(m, what: str) -> FSDPState:
@@ -601,7 +593,7 @@ def fully_shard(
             if placement is not None and not (getattr(placement, "dim", None) == 0 and type(placement).__name__ == "Shard"):
                 raise NotImplementedError(
                     f"{where}: shard_placement_fn returned {placement!r} for {fqn!r}; only Shard(0) is supported yet")
-    inside = {_tp_mesh_inside(p._spec.mesh, mesh) for _, p, _ in params if isinstance(p, DTensor)}
+    inside = {tp_mesh_inside(p._spec.mesh, mesh) for _, p, _ in params if isinstance(p, DTensor)}
     if True in inside and (len(inside) > 1 or any(not isinstance(p, DTensor) for _, p, _ in params)):
         raise ValueError(
             f"{where}: some parameters are replicated over a mesh inside the FSDP mesh (data x spatial "

@@ -204,10 +204,8 @@ class ParamGroup:
             tp = spec = None
             inside = False
             if isinstance(p, DTensor):
-                from dtshard.fsdp._api import _tp_mesh_inside
-
                 tp = (p._spec.mesh, p._spec.placements, tuple(p.shape))
-                inside = _tp_mesh_inside(p._spec.mesh, self.mesh)
+                inside = tp_mesh_inside(p._spec.mesh, self.mesh)
             if isinstance(p, DTensor) and not inside:
                 spec = _fsdp_tp_spec(self.mesh, p._spec, ddp=self.ddp)
             else:  # replicated over the FSDP mesh's inner ranks: FSDP's own layout of the whole tensor
@@ -652,6 +650,14 @@ class _ScaleGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return g * ctx.scale, None
+
+
+def tp_mesh_inside(tp_mesh, mesh) -> bool:
+    """Do all ranks of this rank's group of ``tp_mesh`` belong to its group of ``mesh`` (and the
+    latter is larger)?  From the meshes' rank tables: the same answer on every rank."""
+    tp_ranks = set(tp_mesh.mesh.flatten().tolist())
+    ranks = set(mesh.mesh.flatten().tolist())
+    return tp_ranks <= ranks and len(ranks) > len(tp_ranks) and len(tp_ranks) > 1
 
 
 def _fsdp_tp_spec(dp_mesh, tp_spec: DTensorSpec, ddp: bool = False) -> DTensorSpec:
