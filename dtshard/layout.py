@@ -24,7 +24,7 @@ from typing import Sequence
 
 from torch.distributed.tensor.placement_types import Placement
 
-from dtshard.spec import Region, local_region, placement_key
+from dtshard.spec import Region, local_region, memo, placement_key
 
 __all__ = ["Box", "Region", "rank_box", "box_numel", "group_coords", "ExchangePlan", "exchange_plan",
            "exchange_costs"]
@@ -37,16 +37,9 @@ def rank_box(shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequen
     """The global region whose values (or, under Partial, terms) the rank at ``coord`` holds
     (memoised: the planner asks for the same boxes over and over while it prices plans)."""
     key = (tuple(shape), tuple(mesh_shape), tuple(placement_key(p) for p in placements), tuple(coord))
-    hit = _box_cache.get(key)
-    if hit is None:
-        hit = local_region(shape, mesh_shape, list(placements), coord)
-        if len(_box_cache) >= _CACHE_MAX:
-            _box_cache.clear()
-        _box_cache[key] = hit
-    return hit
+    return memo(_box_cache, key, lambda: local_region(shape, mesh_shape, list(placements), coord))
 
 
-_CACHE_MAX = 8192
 _box_cache: dict[tuple, Region] = {}
 _costs_cache: dict[tuple, tuple[int, ...] | None] = {}
 
@@ -211,13 +204,7 @@ def exchange_costs(shape, mesh_shape, src, dst, dims: Sequence[int]) -> tuple[in
     cannot do it alone."""
     key = (tuple(shape), tuple(mesh_shape), tuple(placement_key(p) for p in src),
            tuple(placement_key(p) for p in dst), tuple(dims))
-    if key in _costs_cache:
-        return _costs_cache[key]
-    out = _exchange_costs(shape, mesh_shape, src, dst, dims)
-    if len(_costs_cache) >= _CACHE_MAX:
-        _costs_cache.clear()
-    _costs_cache[key] = out
-    return out
+    return memo(_costs_cache, key, lambda: _exchange_costs(shape, mesh_shape, src, dst, dims))
 
 
 def _exchange_costs(shape, mesh_shape, src, dst, dims):

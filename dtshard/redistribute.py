@@ -42,7 +42,8 @@ from dtshard import layout as L
 from dtshard._trace import copy_observers, note_copy
 from dtshard._config import config
 from dtshard.spec import (DTensorSpec, _itemsize, chunk_range, chunk_sizes, is_strided, local_shape,
-                          placement_equal, placement_key, placement_str, placements_str)
+                          memo, placement_equal, placement_key, placement_str,
+                          placements_str)
 from dtshard.spec import placement_kind as _kind
 
 __all__ = ["Step", "GroupStep", "plan", "plan_text", "redistribute_local", "transition_cost"]
@@ -97,32 +98,23 @@ class GroupStep:
                 f"{self.kind}")
 
 
-def _step_kind(src: Placement, dst: Placement) -> str | None:
-    ks, kd = _kind(src), _kind(dst)
+def _step_kind_of_kinds(ks: str, kd: str) -> str | None:
+    """The collective (or local step) that changes one mesh dim from a placement of kind ``ks``
+    to one of kind ``kd`` (:func:`dtshard.spec.placement_kind`); None where there is no direct
+    step (S -> P and P(a) -> P(b) go through R)."""
     if ks == "S":
-        if kd == "R":
-            return "all_gather"
-        if kd == "S":
-            return "all_to_all"
-        return None  # S -> P goes via R
+        return {"R": "all_gather", "S": "all_to_all"}.get(kd)
     if ks == "R":
         return "slice" if kd == "S" else "zero"
-    # src is Partial
-    if kd == "R":
-        return "all_reduce"
-    if kd == "S":
-        return "reduce_scatter"
-    return None  # P(a) -> P(b) goes via R
+    return {"R": "all_reduce", "S": "reduce_scatter"}.get(kd)  # src is Partial
 
 
-def _legal(state: Sequence[Placement], i: int, dst: Placement) -> bool:
-    src = state[i]
-    later = state[i + 1 :]
-    if _kind(src) == "S" and any(_kind(p) == "S" and p.dim == src.dim for p in later):
-        return False  # not the innermost mesh dim sharding src.dim
-    if _kind(dst) == "S" and any(_kind(p) == "S" and p.dim == dst.dim for p in later):
-        return False  # a later mesh dim already shards dst.dim
-    return True
+#: _step_kind by (source kind, destination kind): the search's inner loop reads it directly
+_KIND_OF_STEP = {(a, b): _step_kind_of_kinds(a, b) for a in "SRPT?" for b in "SRPT?"}
+
+
+def _step_kind(src: Placement, dst: Placement) -> str | None:
+    return _KIND_OF_STEP[_kind(src), _kind(dst)]
 
 
 def _local_numel(shape: Sequence[int], mesh_shape: Sequence[int], state: Sequence[Placement]) -> int:
@@ -148,18 +140,26 @@ def _local_len(shape, mesh_shape, state, d) -> int:
 
 def _step_cost(shape, mesh_shape, state, i, dst, itemsize) -> float:
     """Bytes this rank receives for the step (plus a small charge for local-only work)."""
-    local = _local_numel(shape, mesh_shape, state) * itemsize
-    n = mesh_shape[i]
     kind = _step_kind(state[i], dst)
+    split = _local_len(shape, mesh_shape, state, dst.dim) if kind in _SPLITS else 0
+    return _kind_cost(kind, _local_numel(shape, mesh_shape, state) * itemsize, mesh_shape[i], split)
+
+
+_SPLITS = ("reduce_scatter", "all_to_all")
+
+
+def _kind_cost(kind: str, local: float, n: int, split_len: int) -> float:
+    """Bytes a rank whose shard holds ``local`` bytes receives in a step of ``kind`` over a mesh
+    dim of ``n`` ranks; ``split_len``: the length, in that shard, of the tensor dim a
+    reduce_scatter / all_to_all splits."""
     if kind == "all_gather":
         return (n - 1) * local
     if kind == "all_reduce":
         return 2 * (n - 1) * local / n
-    if kind in ("reduce_scatter", "all_to_all"):
+    if kind in _SPLITS:
         # a rank receives n-1 pieces the size of the one it keeps: the largest, ceil(len / n)
         # of the tensor dim being split (which is not n-way even when the dim is uneven)
-        d = dst.dim
-        return _split_cost(local, _local_len(shape, mesh_shape, state, d), n)
+        return _split_cost(local, split_len, n)
     # local-only steps: charge a little so that plans without them win ties
     return 0.01 * local + 1.0
 
@@ -200,8 +200,7 @@ def plan(spec: DTensorSpec, dst: Sequence[Placement]) -> tuple[Step, ...]:
     return steps
 
 
-_dijkstra_cache: dict[tuple, tuple[Step, ...]] = {}
-_DIJKSTRA_CACHE_MAX = 4096  # sub-plans of the flattened-group search repeat across transitions
+_dijkstra_cache: dict[tuple, tuple[Step, ...]] = {}  # sub-plans of the group search repeat across transitions
 
 
 def _dijkstra(spec: DTensorSpec, src: tuple, dst: tuple) -> tuple[Step, ...]:
@@ -209,18 +208,13 @@ def _dijkstra(spec: DTensorSpec, src: tuple, dst: tuple) -> tuple[Step, ...]:
     shape, mesh_shape, itemsize = spec.shape, spec.mesh_shape, _itemsize(spec.dtype)
     key = (tuple(placement_key(p) for p in src), tuple(placement_key(p) for p in dst), tuple(shape),
            tuple(mesh_shape), itemsize)  # placements by exact type: a strided shard never equals a Shard
-    hit = _dijkstra_cache.get(key)
-    if hit is None:
-        hit = _dijkstra_search(shape, mesh_shape, itemsize, src, dst)
-        if len(_dijkstra_cache) >= _DIJKSTRA_CACHE_MAX:
-            _dijkstra_cache.clear()
-        _dijkstra_cache[key] = hit
-    return hit
+    return memo(_dijkstra_cache, key, lambda: _dijkstra_search(shape, mesh_shape, itemsize, src, dst))
 
 
 def _dijkstra_search(shape, mesh_shape, itemsize, src: tuple, dst: tuple) -> tuple[Step, ...]:
-    """Dijkstra over placement states; an edge changes one mesh dim's placement by one legal
-    step (:func:`_step_kind`, :func:`_legal`), priced by :func:`_step_cost`.  A state is a tuple of
+    """Dijkstra over placement states; an edge changes one mesh dim's placement by one step
+    (:func:`_step_kind`), legal when that mesh dim is the innermost one sharding its source's
+    tensor dim and no later mesh dim shards the target's, priced by :func:`_step_cost`.  A state is a tuple of
     indices into the candidate placements (ints hash and compare in C; placements do not), and
     the per-state facts the edges need (each placement's kind, the tensor dims sharded by later
     mesh dims, the largest local shard) are computed once per state: the same plans and costs,
@@ -260,20 +254,13 @@ def _dijkstra_search(shape, mesh_shape, itemsize, src: tuple, dst: tuple) -> tup
                 kind = _KIND_OF_STEP.get((ka, kinds[b]))
                 if kind is None or (kinds[b] == "S" and sdim[b] in later):
                     continue
-                if kind == "all_gather":
-                    step_cost = (n - 1) * local
-                elif kind == "all_reduce":
-                    step_cost = 2 * (n - 1) * local / n
-                elif kind in ("reduce_scatter", "all_to_all"):
-                    # the dim being split, in the largest local shard of the CURRENT state
-                    length = shape[sdim[b]]
+                split = 0
+                if kind in _SPLITS:  # the dim being split, in the largest local shard of this state
+                    split = shape[sdim[b]]
                     for j, c in enumerate(state):
                         if sdim[c] == sdim[b]:
-                            length = chunk_range(length, mesh_shape[j], 0)[1]
-                    step_cost = _split_cost(local, length, n)
-                else:
-                    step_cost = 0.01 * local + 1.0
-                new_cost = cost + step_cost
+                            split = chunk_range(split, mesh_shape[j], 0)[1]
+                new_cost = cost + _kind_cost(kind, local, n, split)
                 new_state = state[:i] + (b,) + state[i + 1:]
                 if new_cost < best.get(new_state, float("inf")):
                     best[new_state] = new_cost
@@ -285,17 +272,6 @@ def _dijkstra_search(shape, mesh_shape, itemsize, src: tuple, dst: tuple) -> tup
     )
 
 
-def _step_kind_of_kinds(ks: str, kd: str) -> str | None:
-    """:func:`_step_kind` on placement kinds (its branches, letter for letter)."""
-    if ks == "S":
-        return {"R": "all_gather", "S": "all_to_all"}.get(kd)
-    if ks == "R":
-        return "slice" if kd == "S" else "zero"
-    return {"R": "all_reduce", "S": "reduce_scatter"}.get(kd)
-
-
-#: _step_kind by (source kind, destination kind), for the search's inner loop
-_KIND_OF_STEP = {(a, b): _step_kind_of_kinds(a, b) for a in "SRPT?" for b in "SRPT?"}
 
 
 def _steps_cost(spec: DTensorSpec, steps) -> float:

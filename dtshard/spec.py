@@ -269,6 +269,22 @@ def placement_equal(a: Placement, b: Placement) -> bool:
     return a == b
 
 
+_MISSING = object()
+
+
+def memo(cache: dict, key, compute, limit: int = 8192):
+    """``cache[key]``, computed by ``compute()`` on a miss: the planner's memos of pure layout
+    facts (rank boxes, exchange costs, sub-plans).  A full cache is emptied before the next
+    entry goes in, so it stays bounded however many shapes a program uses."""
+    hit = cache.get(key, _MISSING)
+    if hit is _MISSING:
+        hit = compute()
+        if len(cache) >= limit:
+            cache.clear()
+        cache[key] = hit
+    return hit
+
+
 def placement_key(p: Placement) -> tuple:
     """A plain, hashable value that two placements share exactly when ``placement_equal`` says
     they are equal (the exact type first: a ``_StridedShard`` never equals a ``Shard``)."""
