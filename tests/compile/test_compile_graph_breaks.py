@@ -161,7 +161,6 @@ _CASES = [
     ("dp", "none", "aot_eager"),
     ("dp", "graph_break", "aot_eager"),
     ("dp", "disable", "aot_eager"),
-    ("tp", "graph_break", "inductor"),
 ]
 
 

@@ -244,8 +244,7 @@ def test_compiled_fsdp_times_tp_mixed_precision(backend):
         return 2.0 ** (math.floor(math.log2(abs(x))) - 7)
 
     for rank, (rows, err, breaks) in enumerate(
-            run_distributed(_compiled_fsdp_tp, 4, backend, True, n_layers=1 if backend == "inductor" else 2,
-                            timeout=600)):
+            run_distributed(_compiled_fsdp_tp, 4, backend, True, n_layers=1, timeout=600)):
         assert breaks == 0
         vs_eager, compiled_vs_fp32, eager_vs_fp32 = err
         for step, (compiled, eager, fp32) in enumerate(rows):
