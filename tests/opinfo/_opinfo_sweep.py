@@ -1118,10 +1118,12 @@ def compare_with_known(cases, records, known_entry) -> list[str]:
     want_skips = {k: v for k, v in known_entry.get("skips", {}).items() if k.rsplit("|", 1)[0] in bases}
     new_skips = {k: v for k, v in skips.items() if want_skips.get(k) != v}
     gone_skips = sorted(k for k in want_skips if k not in skips)
-    rescues = rescue_entries(cases, records)
-    want_rescues = {k: v for k, v in known_entry.get("rescues", {}).items() if k in bases}
-    new_rescues = {k: v for k, v in rescues.items() if k not in want_rescues}
-    gone_rescues = sorted(k for k in want_rescues if k not in rescues)
+    # Rescues are float32 rounding, which depends on the CPU (its vector width and BLAS kernels
+    # reorder sums): the same case is rescued on one machine and passes outright on another. A
+    # rescue is therefore reported (``rescue_notes``), not held to the recorded list; what is held
+    # is that only FLOAT64_RESCUE's ops are ever rescued, and only when float64 passes at 1e-7.
+    stray_rescues = {k: v for k, v in rescue_entries(cases, records).items()
+                     if k.split("|", 1)[0] not in FLOAT64_RESCUE}
     lines = []
     if silent:
         lines.append(f"!!! {len(silent)} SILENTLY WRONG result(s) (no exception; fix the rule or make it raise):")
@@ -1136,11 +1138,25 @@ def compare_with_known(cases, records, known_entry) -> list[str]:
         lines.append(f"{len(new_skips)} skip(s) not in known_failures.json (a skip checks nothing: "
                      "is the reason right?):")
         lines += [f"    {k}: {v}" for k, v in sorted(new_skips.items())]
-    if new_rescues:
-        lines.append(f"{len(new_rescues)} float64 rescue(s) not in known_failures.json:")
-        lines += [f"    {k}: {v}" for k, v in sorted(new_rescues.items())]
-    if gone_skips or gone_rescues:
-        lines.append(f"{len(gone_skips) + len(gone_rescues)} recorded skip(s)/rescue(s) no longer "
-                     "happen: run `python tools/opinfo_report.py --regenerate`:")
-        lines += [f"    {k}" for k in gone_skips + gone_rescues]
+    if stray_rescues:
+        lines.append(f"{len(stray_rescues)} float64 rescue(s) of an op not in FLOAT64_RESCUE:")
+        lines += [f"    {k}: {v}" for k, v in sorted(stray_rescues.items())]
+    if gone_skips:
+        lines.append(f"{len(gone_skips)} recorded skip(s) no longer happen: "
+                     "run `python tools/opinfo_report.py --regenerate`:")
+        lines += [f"    {k}" for k in gone_skips]
     return lines
+
+
+def rescue_notes(cases, records, known_entry) -> list[str]:
+    """The float64 rescues of a sweep, for its report: each case's op, sample, scheme and both
+    runs' verdicts, marked where it differs from the list the last ``--regenerate`` recorded
+    (another CPU rounds float32 sums differently). Informational: :func:`compare_with_known` holds
+    the rules a rescue must follow."""
+    bases = {case_base(c) for c in cases}
+    got = rescue_entries(cases, records)
+    want = {k for k in known_entry.get("rescues", {}) if k in bases}
+    notes = [f"float64 rescue{'' if k in want else ' (not one where known_failures.json was made)'}: "
+             f"{k}: float32 {v['float32']}, float64 {v['float64']}" for k, v in sorted(got.items())]
+    notes += [f"recorded rescue passes in float32 on this machine: {k}" for k in sorted(want - set(got))]
+    return notes

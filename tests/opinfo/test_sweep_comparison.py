@@ -143,3 +143,27 @@ def test_known_failures_are_clear_errors():
         for key, why in entry["skips"].items():
             assert why.startswith(("no tensor arguments", "sparse input", "plain PyTorch")), (
                 f"mesh {name} {key}: a skip must be one of the accepted kinds, got {why!r}")
+
+
+def test_rescues_are_reported_and_only_named_ops_may_have_one():
+    """A float64 rescue is float32 rounding, which depends on the CPU: one the recorded list does
+    not hold is reported (a note naming both verdicts), not a failure; a rescue of an op outside
+    ``FLOAT64_RESCUE`` is a failure whatever the list says."""
+    rescue = {"float32": ["grad0: wrong value"], "float64": "pass", "why": "test"}
+    named = next(iter(S.FLOAT64_RESCUE))
+    cases = [(named, 2, "T0|R"), ("add", 0, "R|R")]
+    passed = {"fwd": "pass", "fwd_reason": "", "bwd": "pass", "bwd_reason": ""}
+    entry = {"failures": {}, "skips": {}, "rescues": {}}
+    records = [dict(passed, rescue=rescue), dict(passed)]
+    assert S.compare_with_known(cases, records, entry) == []
+    notes = S.rescue_notes(cases, records, entry)
+    assert len(notes) == 1 and f"{named}|s2|T0|R" in notes[0] and "float64 pass" in notes[0], notes
+    # a recorded rescue that passes outright on this CPU: a note, no failure
+    entry_with = dict(entry, rescues={f"{named}|s2|T0|R": rescue})
+    assert S.compare_with_known(cases, [dict(passed), dict(passed)], entry_with) == []
+    assert "passes in float32" in S.rescue_notes(cases, [dict(passed), dict(passed)], entry_with)[0]
+    # a rescue of an op FLOAT64_RESCUE does not name fails, even when recorded
+    stray = [dict(passed), dict(passed, rescue=rescue)]
+    entry_stray = dict(entry, rescues={"add|s0|R|R": rescue})
+    lines = S.compare_with_known(cases, stray, entry_stray)
+    assert lines and "not in FLOAT64_RESCUE" in lines[0] and "add|s0|R|R" in lines[1], lines
