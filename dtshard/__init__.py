@@ -12,6 +12,7 @@ from dtshard import rules as _rules  # noqa: F401  (registers the built-in rules
 from dtshard import debug  # noqa: F401  (dtshard.debug.*)
 from dtshard import experimental  # noqa: F401  (dtshard.experimental.implicit_replication)
 from dtshard import composites as _composites
+from dtshard import grad_buckets as _grad_buckets  # noqa: F401  (plugs in through dtshard.hooks: gradient buckets)
 
 from dtshard.collectives import init_device_mesh
 from dtshard.factories import empty, full, ones, rand, randn, zeros

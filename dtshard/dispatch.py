@@ -13,13 +13,14 @@ from typing import Any
 import torch
 
 from dtshard import _trace
+from dtshard import hooks
 from dtshard import registry
 from dtshard.propagate import Plan, _Slot, lookup, propagate
 from dtshard.redistribute import redistribute_local
 from dtshard.spec import placements_str
 from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
-__all__ = ["dispatch", "clear_cache", "cache_info", "MixedTensorError"]
+__all__ = ["dispatch", "dispatch_planned", "clear_cache", "cache_info", "mixed_error", "MixedTensorError"]
 
 _cache: dict[tuple, Plan] = {}
 #: Plans kept at most. Keys include every scalar argument, so ops whose scalars change every step
@@ -65,7 +66,7 @@ def _guarded(handler, keeps_strided: bool, keeps_halo: bool):
                 s = a._spec
                 if first:
                     if not _member(s.mesh):
-                        return _dispatch_general(op, args, kwargs)
+                        return dispatch_planned(op, args, kwargs)
                     first = False
                 if s.halo:
                     halo = True
@@ -76,7 +77,7 @@ def _guarded(handler, keeps_strided: bool, keeps_halo: bool):
                     if isinstance(x, DT):
                         if first:
                             if not _member(x._spec.mesh):
-                                return _dispatch_general(op, args, kwargs)
+                                return dispatch_planned(op, args, kwargs)
                             first = False
                         halo = halo or bool(x._spec.halo)
                         strided = strided or x._spec.has_strided
@@ -284,7 +285,8 @@ def cache_info() -> dict:
     return {"size": len(_cache), **_stats}
 
 
-def _mixed_error(op, t: torch.Tensor) -> MixedTensorError:
+def mixed_error(op, t: torch.Tensor) -> MixedTensorError:
+    """The error for a plain (non-0-d) tensor ``t`` mixed with DTensors in ``op`` (what to do)."""
     return MixedTensorError(
         f"{op} got a plain torch.Tensor of shape {tuple(t.shape)} mixed with dtshard DTensors. "
         "Only Python scalars and tensors of one element broadcast implicitly. Convert the tensor "
@@ -302,7 +304,7 @@ def _unwrap(op, a, dts: list, key: list, DT) -> Any:
         return _Slot(len(dts) - 1)
     if isinstance(a, torch.Tensor):
         if a.dim() != 0:
-            raise _mixed_error(op, a)
+            raise mixed_error(op, a)
         key.append(("0d", a.dtype, a.device))
         return a
     if isinstance(a, (list, tuple)):
@@ -337,7 +339,7 @@ def dispatch(op, args: tuple, kwargs: dict):
 
     Fast path (a cache hit with flat arguments): one walk over the args builds the cache key and
     the local args together; then the local call and the wrap.  Anything else (misses, tensor
-    lists, plain 0-d tensors, tensor kwargs) goes through :func:`_dispatch_general`, which builds
+    lists, plain 0-d tensors, tensor kwargs) goes through :func:`dispatch_planned`, which builds
     the same key.
     """
     if op is _DETACH and not _observers:  # every step, for every parameter (AccumulateGrad)
@@ -363,11 +365,11 @@ def dispatch(op, args: tuple, kwargs: dict):
             dts.append(a)
             largs.append(a._local_tensor)
         elif isinstance(a, torch.Tensor):
-            return _dispatch_general(op, args, kwargs)
+            return dispatch_planned(op, args, kwargs)
         elif isinstance(a, (list, tuple)):
             for b in a:
                 if isinstance(b, torch.Tensor):
-                    return _dispatch_general(op, args, kwargs)
+                    return dispatch_planned(op, args, kwargs)
             key.append(tuple(a))
             largs.append(a)
         else:
@@ -375,7 +377,7 @@ def dispatch(op, args: tuple, kwargs: dict):
             largs.append(a)
     for k, v in kwargs.items():
         if isinstance(v, (torch.Tensor, list, tuple)):
-            return _dispatch_general(op, args, kwargs)
+            return dispatch_planned(op, args, kwargs)
         key.append(k)
         key.append(type(v) if types_only and type(v) in _NUMBER_TYPES else v)
     try:
@@ -383,7 +385,7 @@ def dispatch(op, args: tuple, kwargs: dict):
     except TypeError:
         plan = None
     if plan is None or plan.mode == "out":
-        return _dispatch_general(op, args, kwargs)
+        return dispatch_planned(op, args, kwargs)
     _stats["hits"] += 1
     if _observers:
         _observe(op, plan, [d._spec for d in dts])
@@ -479,7 +481,9 @@ def resolved_local(dt) -> torch.Tensor:
     return t
 
 
-def _dispatch_general(op, args: tuple, kwargs: dict):
+def dispatch_planned(op, args: tuple, kwargs: dict):
+    """``op`` through the rules: plan (cached), redistribute the inputs, run locally, wrap; the
+    path every op without a handler takes, and the one a handler hands calls back to."""
     DT = _DT
     dts: list = []
     key: list = [id(op)]
@@ -494,7 +498,7 @@ def _dispatch_general(op, args: tuple, kwargs: dict):
         implicit = implicit_replication_on()
         if not in_backward and not implicit and e.tensor.numel() != 1:
             raise
-        return _dispatch_general(op, *_promote_plain_args(op, args, kwargs, in_backward or implicit))
+        return dispatch_planned(op, *_promote_plain_args(op, args, kwargs, in_backward or implicit))
     try:
         tkey = tuple(key)
         plan = _cache.get(tkey)
@@ -649,7 +653,7 @@ def _promote_plain_args(op, args: tuple, kwargs: dict, in_backward: bool) -> tup
         if not isinstance(a, torch.Tensor) or isinstance(a, _DT) or a.dim() == 0:
             return a
         if not in_backward and a.numel() != 1:
-            raise _mixed_error(op, a)
+            raise mixed_error(op, a)
         return _promote_plain(a, mesh, what="a plain tensor")
 
     return tree_unflatten([promote(a) for a in flat], tree)
@@ -663,3 +667,5 @@ def _wrap(out, specs, DT):
     next(specs)  # None or non-tensor output
     return out
 
+
+hooks.runtime_entry_points(dispatch, dispatch_planned)  # every DTensor op re-enters these

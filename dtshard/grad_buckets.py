@@ -26,6 +26,7 @@ import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate
 
 from dtshard import collectives as C
+from dtshard import hooks
 from dtshard._config import config
 from dtshard.spec import mesh_identity
 
@@ -68,6 +69,7 @@ def _settled_by_all_reduce(grad, param):
     return tuple(target), tuple(dims)
 
 
+@hooks.grad_settler
 def bucket_gradient(param, grad) -> bool:
     """Put ``param``'s Partial gradient in a bucket; False when it cannot be bucketed (the caller
     settles it alone).  Only inside a backward pass (the end-of-backward callback finishes it)."""
@@ -131,7 +133,7 @@ def flush() -> None:
 
 
 def _finish_issued() -> None:
-    from dtshard.tensor import DTensor, _settle_grad_alone
+    from dtshard.tensor import DTensor, reduce_partial_grad
 
     done = list(_issued)
     _issued.clear()
@@ -142,8 +144,11 @@ def _finish_issued() -> None:
             n = grad._local_tensor.numel()
             if param.grad is not grad or grad._version != version:
                 # accumulated again after the bucket was issued: settle what it holds now
-                _settle_grad_alone(param)
+                reduce_partial_grad(param)
             else:
                 local = bucket.flat[off:off + n].view(grad._local_tensor.shape)
                 param.grad = DTensor(local, grad._spec.with_placements(bucket.target), requires_grad=False)
             off += n
+
+
+hooks.runtime_entry_points(flush)  # the autograd engine's end-of-backward callback

@@ -19,21 +19,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from dtshard import collectives as C
+from dtshard import hooks
 from dtshard._config import config
 from dtshard.dispatch import bind_tensor_class, dispatch, resolved_local
 from dtshard.redistribute import redistribute_local
-from dtshard.spec import (DTensorSpec, TensorMeta, global_stride_from_local, is_shard, mesh_identity, normalize_placements,
+from dtshard.spec import (DTensorSpec, TensorMeta, contiguous_strides, global_stride_from_local, is_shard, mesh_identity, normalize_placements,
                           placements_equal, placements_str)
 
 __all__ = ["DTensor", "distribute_tensor", "distribute_module"]
-
-
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(stride))
 
 
 def mesh_or_current(device_mesh: Optional[DeviceMesh], what: str) -> DeviceMesh:
@@ -95,7 +88,7 @@ def _in_leaf_layout(spec: DTensorSpec, grad: "DTensor"):
     a different value (the hook cannot look at the leaf: it holds no reference to it)."""
     gs = grad._spec
     if torch.is_grad_enabled() or gs.halo or spec.halo or gs.shape != spec.shape or gs.dtype != spec.dtype \
-            or not placements_equal(gs.placements, spec.placements) or spec.stride != _contiguous_stride(spec.shape):
+            or not placements_equal(gs.placements, spec.placements) or spec.stride != contiguous_strides(spec.shape):
         return None
     # the same layout as the leaf but for the strides: the leaf's own (contiguous) spec
     return DTensor(grad._local_tensor.contiguous(), spec, requires_grad=False)
@@ -121,22 +114,22 @@ def _promote_plain(t: torch.Tensor, mesh: DeviceMesh, placements=None, *, shape=
 
 def _settle_grad(param: "DTensor") -> None:
     """Post-accumulate hook of a leaf DTensor: a Partial gradient is reduced to the parameter's
-    layout, in a bucket with others when that is a plain all_reduce (``dtshard.grad_buckets``),
-    else on its own."""
-    from dtshard import grad_buckets
-
+    layout, by the first gradient settler that takes it (``dtshard.hooks.grad_settler``: a
+    bucket with others when that is a plain all_reduce, ``dtshard.grad_buckets``), else on its
+    own (:func:`reduce_partial_grad`)."""
     grad = param.grad
     if not config.settle_partial_grads or not isinstance(grad, DTensor) or not isinstance(param, DTensor):
         return
     gp, pp = grad._spec.placements, param._spec.placements
     if not any(isinstance(p, Partial) for p in gp) or len(gp) != len(pp):
         return
-    if grad_buckets.bucket_gradient(param, grad):
-        return
-    _settle_grad_alone(param)
+    for settle in hooks.grad_settlers:
+        if settle(param, grad):
+            return
+    reduce_partial_grad(param)
 
 
-def _settle_grad_alone(param: "DTensor") -> None:
+def reduce_partial_grad(param: "DTensor") -> None:
     """Reduce ``param``'s Partial gradient to the parameter's placements now (one redistribute)."""
     grad = param.grad
     if not isinstance(grad, DTensor):
@@ -312,7 +305,7 @@ class DTensor(torch.Tensor):
                 # shard is a transposed tensor), computed from the local strides
                 stride = global_stride_from_local(local_tensor.stride(), tuple(device_mesh.shape), placements)
         shape = tuple(shape)
-        stride = tuple(stride) if stride is not None else _contiguous_stride(shape)
+        stride = tuple(stride) if stride is not None else contiguous_strides(shape)
         spec = DTensorSpec(device_mesh, tuple(placements), shape, stride, local_tensor.dtype)
         if run_check:
             _check_from_local(local_tensor, spec)
@@ -592,9 +585,10 @@ class _FromLocal(torch.autograd.Function):
         return grad.to_local(), None, None
 
 
+@hooks.in_graph
 def _from_local_in_graph(local, mesh, placements, shape, stride, grad_placements) -> DTensor:
     """``from_local`` of a tensor that requires grad, as ONE node of a ``torch.compile`` graph
-    (registered with ``torch.compiler.allow_in_graph`` below; AOTAutograd then traces
+    (``dtshard.hooks.in_graph``: ``torch.compiler.allow_in_graph``; AOTAutograd then traces
     ``_FromLocal`` as usual).  PyTorch's Dynamo puts its own ``DTensor.from_local`` in the graph the
     same way.  Traced inline instead, ``_FromLocal.forward`` becomes a Dynamo subgraph, and when the
     mesh is a graph input (a ``DeviceMesh`` from a closure or a module, e.g. a parallel style's input
@@ -602,105 +596,6 @@ def _from_local_in_graph(local, mesh, placements, shape, stride, grad_placements
     not lift out of a dataclass: "create_node using arg not from this SubgraphTracer"."""
     spec = DTensorSpec(mesh, tuple(placements), tuple(shape), tuple(stride), local.dtype)
     return _FromLocal.apply(local, spec, grad_placements)
-
-
-#: functions of other dtshard modules to put in compiled graphs as ONE node each, like
-#: :func:`_from_local_in_graph` (an autograd Function that builds a DTensor from a plain tensor):
-#: add them with :func:`in_graph`
-_IN_GRAPH: list = []
-_dynamo_ready = [False]
-
-
-def in_graph(fn):
-    """Decorator: ``fn`` is one node of a torch.compile graph (``torch.compiler.allow_in_graph``),
-    registered when ``torch._dynamo`` is imported (at once if it already was)."""
-    _IN_GRAPH.append(fn)
-    if _dynamo_ready[0]:
-        torch.compiler.allow_in_graph(fn)
-    return fn
-
-
-def _register_with_dynamo() -> None:
-    """What torch.compile needs from dtshard, set up once ``torch._dynamo`` is imported:
-
-    - ``from_local`` with grad is one graph node (see :func:`_from_local_in_graph`);
-    - dtshard's runtime is never compiled by Dynamo as frames of its own (see
-      :func:`_runtime_entry_points`);
-    - rules for the prims Dynamo rewrites ops into (``prims.fma``).
-    """
-    from torch._dynamo.eval_frame import set_code_exec_strategy
-    from torch._dynamo.types import FrameAction, FrameExecStrategy
-
-    from dtshard.rules.pointwise import register_compile_prims
-
-    torch.compiler.allow_in_graph(_from_local_in_graph)
-    for fn in _IN_GRAPH:
-        torch.compiler.allow_in_graph(fn)
-    _dynamo_ready[0] = True
-    # SKIP for the frame AND for every frame it calls: Dynamo's own ``skip_code`` skips only the
-    # frame itself, and then compiles each function it calls (propagate, DTensor.__new__, ...) as
-    # a frame of its own, with graph breaks whose resume functions see half-built DTensors.
-    # PyTorch's DTensor dispatches and constructs in C++ (no Python frames) and wraps its other
-    # entry points in ``torch._disable_dynamo`` (recursive too); a code strategy does the same
-    # without a wrapper to call on every eager op.
-    skip_recursively = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
-    for fn in _runtime_entry_points():
-        set_code_exec_strategy(getattr(fn, "__func__", fn).__code__, skip_recursively)
-    register_compile_prims()
-
-
-def _runtime_entry_points() -> list:
-    """The dtshard functions that PyTorch's runtime calls while no graph is being traced.
-
-    When a compiled function breaks its graph (``loss.backward()``, ``print``, an explicit
-    ``torch._dynamo.graph_break()``, ``torch.optim``'s deliberate break), the breaking call runs
-    eagerly with Dynamo's frame hook still installed, so every Python frame it enters is a
-    candidate for compilation: the dispatcher (each DTensor op re-enters ``__torch_dispatch__``),
-    the tensor constructor and the subclass protocol (AOTAutograd's runtime wrappers rebuild
-    DTensors from their inner tensors and compare specs with ``==``), and the backward of
-    dtshard's autograd Functions and its gradient hook (the autograd engine calls them).
-    Compiled, they would add frames and graph breaks that the same program on plain tensors does
-    not have, or fail (a resume function inside ``__new__`` sees a DTensor without ``_spec``).
-    They are skipped, with everything they call.  When a graph IS traced, Dynamo inlines these
-    functions as before: frame strategies decide what happens to frames that run, not what the
-    tracer inlines."""
-    from dtshard import dispatch as _dispatch
-    from dtshard import grad_buckets as _buckets
-    from dtshard.parallel import _linear
-
-    return [
-        _linear.TPLinearCall.__call__, _linear._TPLinearFn.forward, _linear._TPLinearFn.backward,
-        DTensor.__torch_dispatch__, _dispatch.dispatch, _dispatch._dispatch_general,
-        DTensor.__new__, DTensor.__tensor_flatten__, DTensor.__tensor_unflatten__,
-        DTensor.__coerce_same_metadata_as_tangent__, DTensor.__coerce_tangent_metadata__,
-        DTensorSpec.__eq__, DTensorSpec.__hash__,
-        _FromLocal.backward, _ToLocal.backward, _Redistribute.backward, _RedistributeCast.backward,
-        _settle_grad, _grad_as_dtensor,
-        _buckets.flush,  # the engine's end-of-backward callback
-    ]
-
-
-class _OnDynamoImport:
-    """Runs :func:`_register_with_dynamo` right after ``torch._dynamo`` is imported (importing it
-    here would add about a second to ``import dtshard``; a program that compiles imports it anyway)."""
-
-    def find_spec(self, name, path, target=None):
-        if name != "torch._dynamo":
-            return None
-        sys.meta_path.remove(self)
-        import importlib.util
-
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:
-            return None
-        exec_module = spec.loader.exec_module
-
-        def exec_then_register(module):
-            exec_module(module)
-            _register_with_dynamo()
-
-        spec.loader.exec_module = exec_then_register
-        return spec
 
 
 class _ToLocal(torch.autograd.Function):
@@ -714,7 +609,7 @@ class _ToLocal(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         spec = ctx.spec
         placements = ctx.grad_placements or spec.placements
-        gspec = DTensorSpec(spec.mesh, tuple(placements), spec.shape, _contiguous_stride(spec.shape), grad.dtype)
+        gspec = DTensorSpec(spec.mesh, tuple(placements), spec.shape, contiguous_strides(spec.shape), grad.dtype)
         return DTensor(grad, gspec, requires_grad=False), None
 
 
@@ -800,7 +695,7 @@ def distribute_tensor(
     full = tensor.detach()
     if not C.is_member(device_mesh):
         # a rank outside the mesh holds an empty shard and takes part in no collective (PyTorch)
-        spec = DTensorSpec(device_mesh, tuple(placements), tuple(full.shape), _contiguous_stride(full.shape),
+        spec = DTensorSpec(device_mesh, tuple(placements), tuple(full.shape), contiguous_strides(full.shape),
                            full.dtype)
         return DTensor(full.new_empty(0), spec, requires_grad=requires_grad)
     if src_data_rank is not None:
@@ -810,7 +705,7 @@ def distribute_tensor(
             # holds src's data; after mesh dim 0, every rank does
             full = C.broadcast(full, src_coord[i], device_mesh, i)
     spec = DTensorSpec(device_mesh, tuple(Replicate() for _ in placements), tuple(full.shape),
-                       tuple(full.stride()) if full.is_contiguous() else _contiguous_stride(full.shape), full.dtype)
+                       tuple(full.stride()) if full.is_contiguous() else contiguous_strides(full.shape), full.dtype)
     local = redistribute_local(full.contiguous(), spec, placements)
     if torch._C._is_alias_of(local, tensor):  # storage identity: no data pointer, so it also traces
         local = local.clone()  # never alias the caller's tensor
@@ -906,9 +801,15 @@ def _hook_arity(fn: Callable, what: str) -> int:
     return n
 
 
-# At the END of the module: _runtime_entry_points names classes defined above (_ToLocal,
-# _Redistribute), so registering earlier fails when torch._dynamo was imported before dtshard.
-if "torch._dynamo" in sys.modules:
-    _register_with_dynamo()
-else:
-    sys.meta_path.insert(0, _OnDynamoImport())
+# The tensor class's runtime, which Dynamo must never compile as frames of their own (see
+# dtshard.hooks.runtime_entry_points): the tensor constructor and the subclass protocol
+# (AOTAutograd's runtime wrappers rebuild DTensors from their inner tensors and compare specs
+# with ``==``), and the backward of the autograd Functions and the gradient hook (the autograd
+# engine calls them).  At the END of the module: it names classes defined above.
+hooks.runtime_entry_points(
+    DTensor.__torch_dispatch__, DTensor.__new__, DTensor.__tensor_flatten__, DTensor.__tensor_unflatten__,
+    DTensor.__coerce_same_metadata_as_tangent__, DTensor.__coerce_tangent_metadata__,
+    DTensorSpec.__eq__, DTensorSpec.__hash__,
+    _FromLocal.backward, _ToLocal.backward, _Redistribute.backward, _RedistributeCast.backward,
+    _settle_grad, _grad_as_dtensor,
+)

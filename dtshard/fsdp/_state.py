@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.distributed.tensor.placement_types import Replicate
 
 from dtshard.fsdp._group import ParamGroup
-from dtshard.tensor import in_graph
+from dtshard.hooks import in_graph
 
 
 class _Unshard(torch.autograd.Function):
@@ -404,7 +404,7 @@ class _SpmdParam(torch.autograd.Function):
 @in_graph
 def _spmd_param(local: torch.Tensor, mesh, placements, shape, dp_dims) -> torch.Tensor:
     """:class:`_SpmdParam` as ONE node of a compiled graph (traced inline, the DTensor it builds
-    from the mesh proxy fails in Dynamo: see ``dtshard.tensor._from_local_in_graph``)."""
+    from the mesh proxy fails in Dynamo: see ``_from_local_in_graph`` in dtshard/tensor.py)."""
     return _SpmdParam.apply(local, (mesh, placements, shape, dp_dims))
 
 

@@ -37,10 +37,11 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from dtshard import _trace
 from dtshard import collectives as C
+from dtshard import hooks
 from dtshard._config import config
 from dtshard.redistribute import redistribute_local
-from dtshard.spec import DTensorSpec, mesh_identity, normalize_placements
-from dtshard.tensor import DTensor, _contiguous_stride, _grad_placements
+from dtshard.spec import DTensorSpec, contiguous_strides, mesh_identity, normalize_placements
+from dtshard.tensor import DTensor, _grad_placements
 
 __all__ = ["TPLinearCall", "LinearPlan"]
 
@@ -76,7 +77,7 @@ class LinearPlan:
 
 def _spec(like: DTensorSpec, placements, shape=None) -> DTensorSpec:
     shape = tuple(like.shape if shape is None else shape)
-    return DTensorSpec(like.mesh, tuple(placements), shape, _contiguous_stride(shape), like.dtype)
+    return DTensorSpec(like.mesh, tuple(placements), shape, contiguous_strides(shape), like.dtype)
 
 
 def _move(x: torch.Tensor, spec: DTensorSpec, placements) -> torch.Tensor:
@@ -234,7 +235,7 @@ class TPLinearCall:
             shape = list(x.shape)  # even shards, as from_local assumes without shape=
             if type(ins[0]) is Shard:
                 shape[ins[0].dim] *= mesh.size(0)
-            x_spec, x_is_dt = DTensorSpec(mesh, ins, tuple(shape), _contiguous_stride(shape), x.dtype), False
+            x_spec, x_is_dt = DTensorSpec(mesh, ins, tuple(shape), contiguous_strides(shape), x.dtype), False
         if x_spec.shape[-1] != ws.shape[1]:
             return None  # a shape error: the general path raises it, worded as usual
         in_spec = _spec(x_spec, want_in)
@@ -242,12 +243,12 @@ class TPLinearCall:
         if self.colwise:
             if want_in != (Replicate(),):
                 return None
-            lin_spec = DTensorSpec(mesh, (Shard(nd - 1),), yshape, _contiguous_stride(yshape), x.dtype)
+            lin_spec = DTensorSpec(mesh, (Shard(nd - 1),), yshape, contiguous_strides(yshape), x.dtype)
         else:
             if want_in != (Shard(nd - 1),) or (b is not None and out != (Replicate(),)
                                                and any(type(p) is Shard and p.dim == nd - 1 for p in out)):
                 return None  # a bias added after a reduce_scatter of the feature dim: general path
-            lin_spec = DTensorSpec(mesh, (Partial(),), yshape, _contiguous_stride(yshape), x.dtype)
+            lin_spec = DTensorSpec(mesh, (Partial(),), yshape, contiguous_strides(yshape), x.dtype)
         out_spec = _spec(lin_spec, out)
         # colwise: the input's gradient is Partial (each rank's output columns contribute)
         gin = (Partial(),) if self.colwise else want_in
@@ -260,3 +261,7 @@ class TPLinearCall:
             b_spec=_spec(b._spec, b._spec.placements) if b is not None else None,
             local_output=bool(style.use_local_output),
         )
+
+
+# the TP linear's call and its autograd node run outside any traced graph too (dtshard.hooks)
+hooks.runtime_entry_points(TPLinearCall.__call__, _TPLinearFn.forward, _TPLinearFn.backward)

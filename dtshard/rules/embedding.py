@@ -39,9 +39,9 @@ import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from dtshard.collectives import mesh_coordinate
-from dtshard.dispatch import _mixed_error, _redistribute_input
+from dtshard.handlers import make_spec, mixed_error, to_local, wrap
 from dtshard.registry import register_handler
-from dtshard.spec import DTensorSpec, contiguous_strides, local_shape_and_offset
+from dtshard.spec import local_shape_and_offset
 from dtshard.tensor import DTensor, distribute_tensor
 
 aten = torch.ops.aten
@@ -55,20 +55,7 @@ def _as_dtensor(op, t, mesh):
         return t
     if isinstance(t, torch.Tensor) and t.dim() == 0:
         return distribute_tensor(t, mesh, [_R] * mesh.ndim, src_data_rank=None)
-    raise _mixed_error(op, t)
-
-
-def _local_in(op, dt: DTensor, placements) -> torch.Tensor:
-    """This rank's shard of ``dt`` redistributed to ``placements`` (through the planner)."""
-    placements = tuple(placements)
-    if dt._spec.placements == placements:
-        return dt._local_tensor
-    return _redistribute_input(op, dt, placements)
-
-
-def _wrap(local: torch.Tensor, mesh, placements, shape, dtype) -> DTensor:
-    spec = DTensorSpec(mesh, tuple(placements), tuple(shape), contiguous_strides(shape), dtype)
-    return DTensor(local, spec, requires_grad=False)
+    raise mixed_error(op, t)
 
 
 def _mesh_of(*ts):
@@ -117,8 +104,8 @@ def embedding_handler(op, args, kwargs):
         else:  # replicated weight: the output follows the ids (index tensors are never partial terms)
             pi = _R if isinstance(pi, Partial) else pi
             w_in.append(_R), i_in.append(pi), out.append(pi)
-    w_local = _local_in(op, weight, w_in)
-    i_local = _local_in(op, ids, i_in)
+    w_local = to_local(weight, w_in, op)
+    i_local = to_local(ids, i_in, op)
     if any(isinstance(p, Shard) and p.dim == 0 for p in w_in):
         lo, n = _row_range(tuple(weight.shape), mesh, w_in)
         mapped, inside = _masked_rows(i_local, lo, n)
@@ -130,7 +117,7 @@ def embedding_handler(op, args, kwargs):
     else:
         local = aten.embedding.default(w_local, i_local, padding_idx, scale_grad_by_freq, sparse)
     shape = tuple(ids.shape) + (weight.shape[1],)
-    return _wrap(local, mesh, out, shape, weight.dtype)
+    return wrap(local, make_spec(mesh, out, shape, weight.dtype))
 
 
 @register_handler(aten.embedding_dense_backward.default)
@@ -156,8 +143,8 @@ def embedding_dense_backward_handler(op, args, kwargs):
         else:  # everything replicated here: each rank accumulates its own rows
             g_in.append(_R), i_in.append(_R), out.append(Shard(0))
     shape = (num_weights, grad.shape[-1])
-    g_local = _local_in(op, grad, g_in)
-    i_local = _local_in(op, ids, i_in)
+    g_local = to_local(grad, g_in, op)
+    i_local = to_local(ids, i_in, op)
     if any(isinstance(p, Shard) and p.dim == 0 for p in out):
         lo, n = _row_range(shape, mesh, out)
         mapped, _ = _masked_rows(i_local, lo, n)
@@ -168,4 +155,4 @@ def embedding_dense_backward_handler(op, args, kwargs):
         local = full[:n]
     else:
         local = aten.embedding_dense_backward.default(g_local, i_local, num_weights, padding_idx, scale_grad_by_freq)
-    return _wrap(local, mesh, out, shape, grad.dtype)
+    return wrap(local, make_spec(mesh, out, shape, grad.dtype))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
+from dtshard.handlers import make_spec, mixed_error, to_local, wrap
 from dtshard.registry import register_handler
 from dtshard.rules._common import norm_dim
 
@@ -190,9 +191,7 @@ def _as_input(op, t, x, placements, what: str):
 
         # every rank holds the same full tensor (as PyTorch's loss_parallel assumes): no communication
         return distribute_tensor(t.detach(), x.device_mesh, placements, src_data_rank=None)
-    from dtshard.dispatch import _mixed_error
-
-    raise _mixed_error(op, t)
+    raise mixed_error(op, t)
 
 
 def _class_ids(x, cdim: int):
@@ -243,9 +242,7 @@ def nll_loss_forward_handler(op, args, kwargs):
     names = ("self", "target", "weight", "reduction", "ignore_index")
     x, target, weight, reduction, ignore_index = list(args) + [kwargs[n] for n in names[len(args):]]
     if not isinstance(x, _dtensor_cls()):  # a DTensor target/weight with a plain input
-        from dtshard.dispatch import _mixed_error
-
-        raise _mixed_error(op, x)
+        raise mixed_error(op, x)
     onehot, valid, w, cdim, target = _nll_parts(op, x, target, weight, ignore_index, check=True)
     xw = aten.mul.Tensor(x, w) if w is not None else x
     picked = aten.sum.dim_IntList(aten.where.self(onehot, xw, _zero(x.dtype)), [cdim])
@@ -299,11 +296,9 @@ def loss_parallel_log_softmax(op, args, kwargs):
     dim = norm_dim(_arg(args, kwargs, 1, "dim", -1), x.dim())
     half_to_float = _arg(args, kwargs, 2, "half_to_float", False)
     if not _dim_is_sharded(x, dim):  # nothing to gain: the fused kernel on each shard
-        from dtshard.rules.embedding import _local_in, _wrap
-
         ins = tuple(Replicate() if isinstance(p, Partial) else p for p in x.placements)
-        local = aten._log_softmax.default(_local_in(op, x, ins), dim, half_to_float)
-        return _wrap(local, x.device_mesh, ins, tuple(x.shape), local.dtype)
+        local = aten._log_softmax.default(to_local(x, ins, op), dim, half_to_float)
+        return wrap(local, make_spec(x.device_mesh, ins, x.shape, local.dtype))
     out_dtype = torch.float32 if half_to_float else x.dtype
     if x.dtype in _LOW_PRECISION:  # computed in float32, as aten's kernel accumulates
         x = aten._to_copy.default(x, dtype=torch.float32)
@@ -331,12 +326,10 @@ def loss_parallel_log_softmax_backward(op, args, kwargs):
     grad, out, dim, input_dtype = list(args) + [kwargs[n] for n in names[len(args):]]
     dim = norm_dim(dim, out.dim())
     if not _dim_is_sharded(out, dim) and not _dim_is_sharded(grad, dim):  # the fused kernel per shard
-        from dtshard.rules.embedding import _local_in, _wrap
-
         ins = tuple(p if isinstance(p, Shard) else Replicate() for p in out.placements)
-        local = aten._log_softmax_backward_data.default(_local_in(op, grad, ins), _local_in(op, out, ins),
+        local = aten._log_softmax_backward_data.default(to_local(grad, ins, op), to_local(out, ins, op),
                                                         dim, input_dtype)
-        return _wrap(local, out.device_mesh, ins, tuple(out.shape), local.dtype)
+        return wrap(local, make_spec(out.device_mesh, ins, out.shape, local.dtype))
     if grad.dtype in _LOW_PRECISION or out.dtype in _LOW_PRECISION:
         grad = aten._to_copy.default(grad, dtype=torch.float32)
         out = aten._to_copy.default(out, dtype=torch.float32)

@@ -110,13 +110,9 @@ def layer_norm_backward_rule(call: OpCall):
 from torch.distributed.tensor.placement_types import Replicate  # noqa: E402
 
 from dtshard import collectives as C  # noqa: E402
+from dtshard.handlers import (  # noqa: E402
+    DTensor, bind, check_dtensors, make_spec, meta_run, op_context, to_local, wrap)
 from dtshard.registry import register_handler  # noqa: E402
-
-
-def _dt():
-    from dtshard.tensor import DTensor
-
-    return DTensor
 
 
 def _keep_shards(x, allowed) -> list:
@@ -126,7 +122,7 @@ def _keep_shards(x, allowed) -> list:
 
 
 def _to(x, placements):
-    if x is None or not isinstance(x, _dt()):
+    if x is None or not isinstance(x, DTensor):
         return x
     placements = list(placements)
     return x if tuple(x.placements) == tuple(placements) else x.redistribute(x.device_mesh, placements)
@@ -137,13 +133,11 @@ def _rep(x):
 
 
 def _local(x):
-    return None if x is None else (x.to_local() if isinstance(x, _dt()) else x)
+    return None if x is None else (x.to_local() if isinstance(x, DTensor) else x)
 
 
 def _wrap(local, mesh, placements, shape):
-    from dtshard.tensor import _contiguous_stride
-
-    return _dt().from_local(local, mesh, list(placements), shape=tuple(shape), stride=_contiguous_stride(shape))
+    return DTensor.from_local(local, mesh, list(placements), shape=tuple(shape), stride=contiguous_strides(shape))
 
 
 # ---- group norm ------------------------------------------------------------------------------
@@ -210,7 +204,6 @@ def _gn_reduce(local, mesh, sums, stat_t, shape, dtype):
     """Local (N, G[, k]) sums with placements ``sums`` reduced to ``stat_t`` (Partial -> Replicate:
     one all_reduce over the spatial mesh dims; nothing when none is sharded)."""
     from dtshard.redistribute import redistribute_local
-    from dtshard.spatial.conv import make_spec
 
     return redistribute_local(local, make_spec(mesh, sums, shape, dtype), stat_t)
 
@@ -227,7 +220,6 @@ def _gn_halo(x, x_t, weight, bias) -> bool:
 def _with_halo_of(local, spec, x):
     """``local`` wrapped with ``spec`` plus ``x``'s halo (and the record of where it came from:
     spatial.conv_halo.SITE)."""
-    from dtshard.spatial.conv import wrap
     from dtshard.spatial.conv_halo import SITE
 
     res = wrap(local, spec.with_halo(x._spec.halo))
@@ -246,7 +238,6 @@ def _owned(t, spec, coord):
 
 @register_handler(aten.native_group_norm.default, keeps_halo=True)
 def group_norm_handler(op, args, kwargs):
-    from dtshard.spatial.conv import bind, check_dtensors, make_spec, meta_run, op_context, to_local, wrap
     from dtshard.spatial import layout as SL
 
     x, weight, bias, n, c, hxw, group, eps = bind(op, args, kwargs)
@@ -306,7 +297,6 @@ def group_norm_backward_handler(op, args, kwargs):
     its rows.  The group sums run over every row ``g`` carries (each rank's contributions add up
     to the true sums); the input gradient's terms that do not scale ``g`` go on the owned rows
     only, so the result is a partial halo of ``g``'s widths."""
-    from dtshard.spatial.conv import bind, check_dtensors, make_spec, meta_run, op_context, to_local, wrap
     from dtshard.spatial import layout as SL
 
     g, x, mean, rstd, weight, n, c, hxw, group, mask = bind(op, args, kwargs)
@@ -418,7 +408,7 @@ def _bn_local(op, x, rest, training):
     mesh = x.device_mesh
     target = _keep_shards(x, set(range(x.ndim)) - {1}) if not training else [Replicate()] * mesh.ndim
     x = _to(x, target)
-    outs = op(_local(x), *[_local(_rep(a)) if isinstance(a, _dt()) else a for a in rest])
+    outs = op(_local(x), *[_local(_rep(a)) if isinstance(a, DTensor) else a for a in rest])
     res = [_wrap(outs[0], mesh, target, x.shape)]
     for o in outs[1:]:
         res.append(_wrap(o, mesh, [Replicate()] * mesh.ndim, tuple(o.shape)))
@@ -427,7 +417,7 @@ def _bn_local(op, x, rest, training):
 
 def _write_back(dts, locals_):
     for d, loc in zip(dts, locals_):
-        if isinstance(d, _dt()) and loc is not None:
+        if isinstance(d, DTensor) and loc is not None:
             aten.copy_.default(d, _to(_wrap(loc, d.device_mesh, [Replicate()] * d.device_mesh.ndim, d.shape),
                                       d.placements))
 
@@ -468,7 +458,6 @@ def _bn_halo_forward(x, weight, bias, running_mean, running_var, momentum, eps):
         if buf is not None:
             upd = _local(_rep(buf)) * (1 - momentum) + new.to(buf.dtype) * momentum
             aten.copy_.default(buf, _to(_wrap(upd, mesh, rep, (c,)), buf.placements))
-    from dtshard.spatial.conv import make_spec
 
     out = _with_halo_of(y.to(x.dtype), make_spec(mesh, x.placements, x.shape, x.dtype), x)
     return out, _wrap(mean.to(x.dtype), mesh, rep, (c,)), _wrap(invstd.to(x.dtype), mesh, rep, (c,))
@@ -477,7 +466,6 @@ def _bn_halo_forward(x, weight, bias, running_mean, running_var, momentum, eps):
 def _bn_halo_backward(g, x, w, smean, sinv, mask):
     """Backward of :func:`_bn_halo_forward` (as group norm's: sums over every row the partial
     gradient carries, the terms that do not scale it on the owned rows only)."""
-    from dtshard.spatial.conv import make_spec, wrap
     from dtshard.spatial import layout as SL
 
     mesh = x.device_mesh
@@ -512,14 +500,14 @@ def _bn_halo_backward(g, x, w, smean, sinv, mask):
 def _bn_fresh(t) -> None:
     from dtshard.spatial import layout as SL
 
-    if isinstance(t, _dt()):
+    if isinstance(t, DTensor):
         SL.fresh(t)
 
 
 def _bn_strip(t):
     from dtshard.spatial import layout as SL
 
-    if isinstance(t, _dt()) and t._spec.halo:
+    if isinstance(t, DTensor) and t._spec.halo:
         if t._spec.halo_partial:
             SL.demote_(t)
             return t
@@ -574,9 +562,9 @@ def batch_norm_backward_handler(op, args, kwargs):
                  "train", "eps", "output_mask")
         g, x, w, rm, rv, smean, sinv, train, eps, mask = (list(args) + [kwargs.get(k) for k in names][len(args):])[:10]
         _bn_fresh(g), _bn_fresh(x)
-        if isinstance(g, _dt()) and g._spec.halo and not g._spec.halo_partial:
+        if isinstance(g, DTensor) and g._spec.halo and not g._spec.halo_partial:
             g = SL.strip(g)
-        if (train and isinstance(g, _dt()) and g._spec.halo and _bn_halo(x) and tuple(g.placements) == tuple(x.placements)
+        if (train and isinstance(g, DTensor) and g._spec.halo and _bn_halo(x) and tuple(g.placements) == tuple(x.placements)
                 and all(SL.halo_widths(x._spec, h.dim)[0] >= h.lo and SL.halo_widths(x._spec, h.dim)[1] >= h.hi
                         for h in g._spec.halo)):
             return _bn_halo_backward(g, x, w, smean, sinv, mask)

@@ -13,6 +13,7 @@ from torch.distributed.tensor.placement_types import Partial, Shard
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_mode
 
+from dtshard import hooks
 from dtshard.registry import OpCall, register_rule
 from dtshard.spec import TensorMeta
 from dtshard.rules._common import LINEAR_REDUCE_OPS, R, broadcast_shape, contiguous_strides, follow_output
@@ -204,10 +205,11 @@ register_rule([op for op in _POINTWISE if op not in _VALUE_READ], meta=pointwise
 register_rule([op for op in _POINTWISE if op in _VALUE_READ], meta=pointwise_meta)(pointwise_rule)
 
 
+@hooks.on_dynamo_import
 def register_compile_prims() -> None:
     """Rules for the pointwise prims that only exist once ``torch._inductor.inductor_prims`` is
     imported, which Dynamo uses to rewrite ops (``prims.fma``: ``a * b + c``, from ``lerp`` and
-    ``add(alpha=)`` in compiled optimizers).  Called when ``torch._dynamo`` is imported."""
+    ``add(alpha=)`` in compiled optimizers).  Run when ``torch._dynamo`` is imported (``dtshard.hooks``)."""
     import torch._inductor.inductor_prims  # noqa: F401  (defines torch.ops.prims.fma)
 
     from dtshard.registry import get_entry

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
+from dtshard.handlers import planned
 from dtshard.registry import OpCall, register_handler, register_rule
 from dtshard.rules._common import R
 
@@ -131,9 +132,7 @@ def fill_inplace_handler(op, args, kwargs):
     self = args[0]
     value = args[1] if len(args) > 1 else kwargs["value"]
     if not any(_summing(p) for p in self._spec.placements):
-        from dtshard.dispatch import _dispatch_general  # the planned path (handlers skipped)
-
-        return _dispatch_general(op, args, kwargs)
+        return planned(op, args, kwargs)  # the rules' path (handlers skipped)
     if isinstance(value, torch.Tensor) and type(value) is not torch.Tensor:
         return self.copy_(value)  # a DTensor value: copy_ plans it (0-d: it broadcasts)
     if isinstance(value, torch.Tensor):

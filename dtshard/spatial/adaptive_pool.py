@@ -56,7 +56,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from dtshard import collectives as C
 from dtshard.registry import register_handler
-from dtshard.spatial.conv import bind, check_dtensors, make_spec, meta_run, op_context, to_local, wrap
+from dtshard.handlers import bind, check_dtensors, make_spec, meta_run, op_context, to_local, wrap
 from dtshard.spec import DTensorSpec, local_shape_and_offset, placements_str
 
 aten = torch.ops.aten

@@ -57,15 +57,14 @@ from typing import Sequence
 import torch
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-from dtshard import _trace
+from dtshard.handlers import DTensor, bind, check_dtensors, make_spec, meta_run, op_context, to_local, wrap
 from dtshard.spatial import halo
 from dtshard import collectives as C
 from dtshard._config import config
 from dtshard.spatial import conv_halo as HC
 from dtshard.spatial import layout as SL
-from dtshard.redistribute import redistribute_local
 from dtshard.registry import register_handler
-from dtshard.spec import DTensorSpec, chunk_range, contiguous_strides
+from dtshard.spec import DTensorSpec, chunk_range
 
 aten = torch.ops.aten
 
@@ -76,28 +75,8 @@ PSUM = Partial("sum")
 
 
 # ---------------------------------------------------------------------------------------------
-# helpers shared with pool.py
+# helpers shared with pool.py (the handler kit, dtshard.handlers, has the general ones)
 # ---------------------------------------------------------------------------------------------
-
-
-def bind(op, args: Sequence, kwargs: dict) -> list:
-    """All arguments of ``op`` in schema order (defaults filled in)."""
-    out = []
-    for k, a in enumerate(op._schema.arguments):
-        if k < len(args):
-            out.append(args[k])
-        elif a.name in kwargs:
-            out.append(kwargs[a.name])
-        elif a.has_default_value():
-            out.append(a.default_value)
-        else:
-            raise TypeError(f"{op}: missing argument {a.name!r}")
-    return out
-
-
-def make_spec(mesh, placements, shape, dtype) -> DTensorSpec:
-    shape = tuple(int(s) for s in shape)
-    return DTensorSpec(mesh, tuple(placements), shape, contiguous_strides(shape), dtype)
 
 
 def expand_list(v, n: int) -> list[int]:
@@ -106,88 +85,6 @@ def expand_list(v, n: int) -> list[int]:
         return [v] * n
     v = [int(x) for x in v]
     return v * n if len(v) == 1 else v
-
-
-def check_dtensors(op, tensors: Sequence) -> None:
-    """Plain (non-0-d) tensors mixed with DTensors: the dispatcher's clear error."""
-    from dtshard.dispatch import _mixed_error
-    from dtshard.tensor import DTensor
-
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and not isinstance(t, DTensor):
-            raise _mixed_error(op, t)
-
-
-def to_local(dt, target: Sequence[Placement]) -> torch.Tensor:
-    """``dt``'s local tensor redistributed to ``target`` (below autograd: no graph)."""
-    target = tuple(target)
-    if target == dt._spec.placements:
-        return dt._local_tensor
-    return redistribute_local(dt._local_tensor, dt._spec, target)
-
-
-def wrap(local: torch.Tensor, spec: DTensorSpec):
-    from dtshard.tensor import DTensor
-
-    return DTensor(local, spec, requires_grad=False)
-
-
-class op_context:
-    """Attribute collectives issued inside a handler to ``op`` (CommCounter's per-op view)."""
-
-    _names: dict = {}
-
-    def __init__(self, op) -> None:
-        name = self._names.get(op)
-        if name is None:
-            name = self._names[op] = str(op)
-        self.name = name
-
-    def __enter__(self):
-        self.prev = _trace.current_op[0]
-        _trace.current_op[0] = self.name
-
-    def __exit__(self, *exc):
-        _trace.current_op[0] = self.prev
-        return False
-
-
-_meta_cache: dict = {}
-
-
-def _meta_key(a):
-    if isinstance(a, torch.Tensor):
-        return ("T", tuple(a.shape), a.dtype)
-    if isinstance(a, (list, tuple)):
-        return tuple(_meta_key(b) for b in a)
-    return a
-
-
-def meta_run(op, *args, **kwargs):
-    """Run ``op`` on meta tensors (DTensors replaced by meta tensors of their global shape): the
-    global output metadata, and the error plain PyTorch would raise.  Cached per (op, shapes,
-    dtypes, non-tensor args), so a handler's hot path skips it."""
-    from dtshard.tensor import DTensor
-
-    key = (op, _meta_key(args), _meta_key(tuple(sorted(kwargs.items()))))
-    hit = _meta_cache.get(key)
-    if hit is not None:
-        return hit
-
-    def conv(a):
-        if isinstance(a, DTensor):
-            return torch.empty(a.shape, dtype=a.dtype, device="meta")
-        if isinstance(a, torch.Tensor):
-            return a.to("meta")
-        if isinstance(a, (list, tuple)):
-            return type(a)(conv(b) for b in a)
-        return a
-
-    out = op(*[conv(a) for a in args], **{k: conv(v) for k, v in kwargs.items()})
-    if len(_meta_cache) > 4096:
-        _meta_cache.clear()
-    _meta_cache[key] = out
-    return out
 
 
 def spatial_shards(placements: Sequence[Placement], first_spatial: int, ndim: int) -> dict[int, int]:
@@ -359,19 +256,17 @@ def _conv_key(args, kwargs):
     """The cache key of a forward convolution call (all 9 arguments positional, as
     ``F.conv*d`` passes them, and the halo depth policy), or None (then the slow path plans and
     checks everything)."""
-    from dtshard.dispatch import _DT
-
     if kwargs or len(args) != 9:
         return None
     x, w, bias, stride, padding, dilation, transposed, output_padding, groups = args
-    if type(x) is not _DT or type(w) is not _DT or not (bias is None or type(bias) is _DT):
+    if type(x) is not DTensor or type(w) is not DTensor or not (bias is None or type(bias) is DTensor):
         return None
     try:  # F.conv*d passes lists
         return (x._spec, w._spec, None if bias is None else bias._spec, tuple(stride), tuple(padding),
-                tuple(dilation), transposed, tuple(output_padding), groups, SL._depth[0])
+                tuple(dilation), transposed, tuple(output_padding), groups, SL.get_halo_depth())
     except TypeError:  # an int where aten allows one
         return (x._spec, w._spec, None if bias is None else bias._spec, _tup(stride), _tup(padding),
-                _tup(dilation), transposed, _tup(output_padding), groups, SL._depth[0])
+                _tup(dilation), transposed, _tup(output_padding), groups, SL.get_halo_depth())
 
 
 @register_handler(aten.convolution.default, keeps_halo=True)
@@ -638,12 +533,10 @@ _register_caches()
 
 
 def _conv_backward_key(args, kwargs):
-    from dtshard.dispatch import _DT
-
     if kwargs or len(args) != 11:
         return None
     g, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, mask = args
-    if type(g) is not _DT or type(x) is not _DT or type(w) is not _DT:
+    if type(g) is not DTensor or type(x) is not DTensor or type(w) is not DTensor:
         return None
     return (g._spec, x._spec, w._spec, None if bias_sizes is None else _tup(bias_sizes), _tup(stride),
             _tup(padding), _tup(dilation), transposed, _tup(output_padding), groups, tuple(bool(m) for m in mask))

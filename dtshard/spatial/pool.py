@@ -35,17 +35,8 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from dtshard import collectives as C
 from dtshard.spatial import halo
 from dtshard.registry import register_handler
-from dtshard.spatial.conv import (
-    bind,
-    check_dtensors,
-    expand_list,
-    make_spec,
-    meta_run,
-    op_context,
-    spatial_shards,
-    to_local,
-    wrap,
-)
+from dtshard.handlers import bind, check_dtensors, make_spec, meta_run, op_context, to_local, wrap
+from dtshard.spatial.conv import expand_list, spatial_shards
 from dtshard.spec import DTensorSpec
 
 aten = torch.ops.aten

@@ -56,7 +56,8 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from dtshard import collectives as C
 from dtshard.spatial import halo
 from dtshard.registry import register_handler
-from dtshard.spatial.conv import bind, check_dtensors, make_spec, meta_run, op_context, spatial_shards, to_local, wrap
+from dtshard.handlers import bind, check_dtensors, make_spec, meta_run, op_context, to_local, wrap
+from dtshard.spatial.conv import spatial_shards
 from dtshard.spec import DTensorSpec, chunk_range
 
 aten = torch.ops.aten

@@ -296,10 +296,10 @@ class _TorchBackend(_Backend):
         self._local_shape = compute_local_shape_and_global_offset
 
     def from_local(self, local, placements, shape):
-        from dtshard.tensor import _contiguous_stride
+        from dtshard.spec import contiguous_strides
 
         return self.DT.from_local(local, self.mesh, placements, run_check=False, shape=shape,
-                                  stride=_contiguous_stride(shape))
+                                  stride=contiguous_strides(shape))
 
     def distribute(self, full, placements):
         return self.mod.distribute_tensor(full, self.mesh, placements, src_data_rank=None)

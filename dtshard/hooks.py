@@ -1,0 +1,133 @@
+"""Extension points: how a feature plugs into the core without the core importing it.
+
+The core (spec, registry, planner, redistribute, collectives, dispatcher, the tensor class) calls
+what features register here, and never imports the features.  A feature registers at its own
+import; one that is never imported costs nothing.  This module sits at the bottom of the import
+graph (it imports nothing of dtshard), so every layer may use it.
+
+torch.compile integration (applied once ``torch._dynamo`` is imported, at once if it already is;
+importing Dynamo eagerly would add about a second to ``import dtshard``):
+
+- :func:`in_graph`: a function that becomes ONE node of a compiled graph
+  (``torch.compiler.allow_in_graph``), e.g. ``from_local`` with grad;
+- :func:`runtime_entry_points`: functions PyTorch's runtime calls while no graph is traced (the
+  dispatcher, autograd Functions' backward, end-of-backward callbacks).  Dynamo skips them and
+  everything they call, as PyTorch's DTensor does with ``torch._disable_dynamo``;
+- :func:`on_dynamo_import`: anything else to set up then (rules for the prims Dynamo rewrites
+  ops into).
+
+Gradient settlement:
+
+- :func:`grad_settler`: ``fn(param, grad) -> bool`` offered every Partial gradient that reaches a
+  DTensor leaf, in registration order; True means it took the gradient (a bucket that reduces it
+  later, ``dtshard.grad_buckets``).  When none does, the tensor class reduces it on its own.
+
+The other extension points are the registry's (``register_rule``, ``register_handler``; handlers
+use the kit in ``dtshard.handlers``) and ``dtshard.config``.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+__all__ = ["grad_settler", "grad_settlers", "in_graph", "on_dynamo_import", "runtime_entry_points"]
+
+_in_graph: list = []
+_entry_points: list = []
+_on_dynamo: list = []
+_dynamo_ready = [False]
+#: the registered gradient settlers, in order (read by the tensor class on every settlement)
+grad_settlers: list[Callable] = []
+
+
+def in_graph(fn):
+    """Decorator: ``fn`` is one node of a torch.compile graph (``torch.compiler.allow_in_graph``)."""
+    _in_graph.append(fn)
+    if _dynamo_ready[0]:
+        _allow_in_graph(fn)
+    return fn
+
+
+def runtime_entry_points(*fns) -> None:
+    """Dynamo never compiles these functions (methods: the function object, or the bound/unbound
+    method) as frames of their own, nor anything they call.
+
+    When a compiled function breaks its graph (``loss.backward()``, ``print``, an explicit
+    ``torch._dynamo.graph_break()``), the breaking call runs eagerly with Dynamo's frame hook still
+    installed, so every Python frame it enters is a candidate for compilation.  Compiled, dtshard's
+    runtime would add frames and graph breaks that the same program on plain tensors does not have,
+    or fail (a resume function inside ``DTensor.__new__`` sees a DTensor without its spec).  When a
+    graph IS traced, Dynamo inlines these functions as before: frame strategies decide what
+    happens to frames that run, not what the tracer inlines."""
+    _entry_points.extend(fns)
+    if _dynamo_ready[0]:
+        _skip(fns)
+
+
+def on_dynamo_import(callback: Callable[[], None]) -> Callable[[], None]:
+    """Decorator: run ``callback()`` once ``torch._dynamo`` is imported (at once if it already is)."""
+    _on_dynamo.append(callback)
+    if _dynamo_ready[0]:
+        callback()
+    return callback
+
+
+def grad_settler(fn: Callable) -> Callable:
+    """Decorator: offer ``fn(param, grad) -> bool`` every Partial gradient of a DTensor leaf."""
+    grad_settlers.append(fn)
+    return fn
+
+
+def _allow_in_graph(fn) -> None:
+    import torch
+
+    torch.compiler.allow_in_graph(fn)
+
+
+def _skip(fns) -> None:
+    # SKIP for the frame AND for every frame it calls: Dynamo's own ``skip_code`` skips only the
+    # frame itself, and then compiles each function it calls as a frame of its own.
+    from torch._dynamo.eval_frame import set_code_exec_strategy
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+    skip_recursively = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+    for fn in fns:
+        set_code_exec_strategy(getattr(fn, "__func__", fn).__code__, skip_recursively)
+
+
+def _dynamo_imported() -> None:
+    _dynamo_ready[0] = True
+    for fn in _in_graph:
+        _allow_in_graph(fn)
+    _skip(_entry_points)
+    for callback in _on_dynamo:
+        callback()
+
+
+class _OnDynamoImport:
+    """Runs :func:`_dynamo_imported` right after ``torch._dynamo`` is imported."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "torch._dynamo":
+            return None
+        sys.meta_path.remove(self)
+        import importlib.util
+
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return None
+        exec_module = spec.loader.exec_module
+
+        def exec_then_register(module):
+            exec_module(module)
+            _dynamo_imported()
+
+        spec.loader.exec_module = exec_then_register
+        return spec
+
+
+if "torch._dynamo" in sys.modules:
+    _dynamo_imported()
+else:
+    sys.meta_path.insert(0, _OnDynamoImport())
