@@ -20,7 +20,8 @@ from dtshard.redistribute import redistribute_local
 from dtshard.spec import placements_str
 from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
-__all__ = ["dispatch", "dispatch_planned", "clear_cache", "cache_info", "mixed_error", "MixedTensorError"]
+__all__ = ["dispatch", "dispatch_planned", "clear_cache", "cache_info", "mixed_error", "MixedTensorError",
+           "unwrap_call", "local_args", "cached_plan"]
 
 _cache: dict[tuple, Plan] = {}
 #: Plans kept at most. Keys include every scalar argument, so ops whose scalars change every step
@@ -44,10 +45,14 @@ class MixedTensorError(RuntimeError):
         self.tensor = tensor
 
 
-def _dispatch_halo(op, args, kwargs):
-    from dtshard.spatial.pointwise import dispatch_halo
-
-    return dispatch_halo(op, args, kwargs)
+def _halo_extension() -> "hooks.LayoutExtension":
+    """The layout extension that owns ``spec.halo`` (``dtshard.spatial`` registers it at import:
+    a DTensor can only carry a halo once that package made one)."""
+    ext = hooks.layout_extensions.get("halo")
+    if ext is None:
+        raise RuntimeError("dtshard: a DTensor carries a halo but no layout extension handles halos: "
+                           "import dtshard.spatial")
+    return ext
 
 
 def _guarded(handler, keeps_strided: bool, keeps_halo: bool):
@@ -82,9 +87,7 @@ def _guarded(handler, keeps_strided: bool, keeps_halo: bool):
                         halo = halo or bool(x._spec.halo)
                         strided = strided or x._spec.has_strided
         if halo and not keeps_halo:
-            from dtshard.spatial.pointwise import stripped
-
-            return stripped(op, args, kwargs, plain)
+            return _halo_extension().strip(op, args, kwargs, plain)
         if strided and not keeps_strided:
             return plain(op, args, kwargs)
         return handler(op, args, kwargs)
@@ -325,13 +328,57 @@ def _local(a, locals_: list) -> Any:
     return a
 
 
+# ---- for layout extensions (dtshard.hooks.layout_extension): the dispatcher's steps, public ----
+
+
+def unwrap_call(op, args: tuple, kwargs: dict) -> tuple[list, list, dict, list]:
+    """``(dts, margs, mkwargs, key)``: the call's DTensors in order, its arguments with each
+    DTensor replaced by a slot (what the planner reads), and the plan-cache key as a list
+    (``op``, every spec and every non-tensor argument).  Raises :class:`MixedTensorError` for a
+    plain tensor that is not 0-d."""
+    DT = _DT
+    dts: list = []
+    key: list = [id(op)]
+    margs = [_unwrap(op, a, dts, key, DT) for a in args]
+    mkwargs = {}
+    for k, v in kwargs.items():
+        key.append(k)
+        mkwargs[k] = _unwrap(op, v, dts, key, DT)
+    return dts, margs, mkwargs, key
+
+
+def local_args(margs: list, mkwargs: dict, locals_: list) -> tuple[list, dict]:
+    """:func:`unwrap_call`'s slots filled with ``locals_`` (one local tensor per DTensor)."""
+    return [_local(a, locals_) for a in margs], {k: _local(v, locals_) for k, v in mkwargs.items()}
+
+
+def cached_plan(key: tuple, compute):
+    """The plan the dispatcher's cache holds under ``key``, else ``compute()``, cached there
+    (within ``CACHE_LIMIT``); an unhashable key plans without caching."""
+    try:
+        plan = _cache.get(key)
+    except TypeError:
+        return compute()
+    if plan is None:
+        plan = compute()
+        if len(_cache) >= CACHE_LIMIT:
+            _evict_oldest()
+        _cache[key] = plan
+    return plan
+
+
 _DT: Any = None  # dtshard.tensor.DTensor, bound by tensor.py (avoids an import per call)
 _observers = _trace.plan_observers  # the same list object: one global lookup on the hot path
 
 
-def bind_tensor_class(cls) -> None:
-    global _DT
-    _DT = cls
+def bind_tensor_class(cls, promote_plain) -> None:
+    """The tensor class and its ``promote_plain`` (a plain tensor as a Replicate DTensor), bound
+    by ``dtshard.tensor`` at its import: the dispatcher does not import the module above it."""
+    global _DT, _promote_plain
+    _DT, _promote_plain = cls, promote_plain
+
+
+_promote_plain: Any = None  # dtshard.tensor._promote_plain, bound with the class
 
 
 def dispatch(op, args: tuple, kwargs: dict):
@@ -506,8 +553,8 @@ def dispatch_planned(op, args: tuple, kwargs: dict):
         tkey, plan = None, None
     specs = [d._spec for d in dts]
     for s in specs:
-        if s.halo:  # a spatial shard with its neighbours' rows: dtshard.spatial decides
-            return _dispatch_halo(op, args, kwargs)
+        if s.halo:  # a spatial shard with its neighbours' rows: its layout extension decides
+            return _halo_extension().dispatch(op, args, kwargs)
     if plan is None and specs and not _member(specs[0].mesh):
         return _non_member(op, margs, mkwargs, specs, args, kwargs)
     if plan is None:
@@ -643,8 +690,6 @@ def _promote_plain_args(op, args: tuple, kwargs: dict, in_backward: bool) -> tup
     ``in_backward`` (or implicit replication) promotes every plain tensor, else only one-element ones.
     """
     from torch.utils._pytree import tree_flatten, tree_unflatten
-
-    from dtshard.tensor import _promote_plain
 
     flat, tree = tree_flatten((args, kwargs))
     mesh = next(a._spec.mesh for a in flat if isinstance(a, _DT))

@@ -16,6 +16,13 @@ importing Dynamo eagerly would add about a second to ``import dtshard``):
 - :func:`on_dynamo_import`: anything else to set up then (rules for the prims Dynamo rewrites
   ops into).
 
+Layout extensions:
+
+- :func:`layout_extension`: a feature that adds per-tensor layout data to a spec (a halo's
+  widths, ``dtshard.spatial``) registers how ops on such DTensors run (``dispatch``) and how a
+  handler that does not read the data gets them without it (``strip``).  The dispatcher calls
+  them only for a DTensor that carries the data, so no other op pays for the feature.
+
 Gradient settlement:
 
 - :func:`grad_settler`: ``fn(param, grad) -> bool`` offered every Partial gradient that reaches a
@@ -29,9 +36,10 @@ use the kit in ``dtshard.handlers``) and ``dtshard.config``.
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from typing import Callable, NamedTuple
 
-__all__ = ["grad_settler", "grad_settlers", "in_graph", "on_dynamo_import", "runtime_entry_points"]
+__all__ = ["LayoutExtension", "grad_settler", "grad_settlers", "in_graph", "layout_extension", "layout_extensions",
+           "on_dynamo_import", "runtime_entry_points"]
 
 _in_graph: list = []
 _entry_points: list = []
@@ -71,6 +79,22 @@ def on_dynamo_import(callback: Callable[[], None]) -> Callable[[], None]:
     if _dynamo_ready[0]:
         callback()
     return callback
+
+
+class LayoutExtension(NamedTuple):
+    #: ``dispatch(op, args, kwargs)``: the op on arguments among which a DTensor carries the data
+    dispatch: Callable
+    #: ``strip(op, args, kwargs, handler)``: ``handler(op, args', kwargs')`` with the data removed
+    strip: Callable
+
+
+#: the registered layout extensions, by the name of the spec field that holds their data
+layout_extensions: dict[str, LayoutExtension] = {}
+
+
+def layout_extension(name: str, *, dispatch: Callable, strip: Callable) -> None:
+    """Register the layout extension whose data a spec holds in its field ``name``."""
+    layout_extensions[name] = LayoutExtension(dispatch, strip)
 
 
 def grad_settler(fn: Callable) -> Callable:

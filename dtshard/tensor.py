@@ -542,7 +542,7 @@ def _check_from_local(local: torch.Tensor, spec: DTensorSpec) -> None:
         )
 
 
-bind_tensor_class(DTensor)
+bind_tensor_class(DTensor, _promote_plain)
 
 # ``torch.load``'s default ``weights_only=True`` unpickles only allowlisted classes: dtshard's DTensor
 # and its spec join the ones ``torch.distributed.tensor`` registers for its own DTensor (DeviceMesh,

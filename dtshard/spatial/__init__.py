@@ -21,6 +21,7 @@ Public API:
 - :func:`halo_of`: a DTensor's halo widths; :func:`drop_halo`: the same tensor without its halo.
 """
 
+from dtshard.spatial import pointwise as _pointwise  # noqa: F401  (registers the halo layout extension)
 from dtshard.spatial.layout import auto_depth, get_halo_depth, halo_depth, model
 
 __all__ = ["halo_depth", "get_halo_depth", "auto_depth", "model", "halo_of", "drop_halo"]

@@ -12,8 +12,13 @@ from __future__ import annotations
 
 import torch
 
+from dtshard import collectives as C
+from dtshard import dispatch as D
+from dtshard import hooks
 from dtshard.spec import DTensorSpec, Halo
 from dtshard.spatial import layout as L
+from dtshard.propagate import propagate
+from dtshard.tensor import DTensor
 
 aten = torch.ops.aten
 
@@ -50,31 +55,16 @@ class _Keep:
         self.plan, self.out_spec, self.actions, self.inplace = plan, out_spec, actions, inplace
 
 
-def _register_cache() -> None:
-    from dtshard import dispatch
-
-    dispatch.handler_caches.append(_decisions)
-
-
-_register_cache()
+D.handler_caches.append(_decisions)  # dispatch.clear_cache() clears the decisions too
 
 
 def dispatch_halo(op, args: tuple, kwargs: dict):
-    from dtshard import collectives as C
-    from dtshard import dispatch as D
-
-    DT = D._DT
+    DT = DTensor
     for a in args:  # a halo that an in-place write left behind is dropped first
         if isinstance(a, DT) and a._spec.halo:
             L.fresh(a)
-    dts: list = []
-    key: list = [id(op)]
     try:
-        margs = [D._unwrap(op, a, dts, key, DT) for a in args]
-        mkwargs = {}
-        for k, v in kwargs.items():
-            key.append(k)
-            mkwargs[k] = D._unwrap(op, v, dts, key, DT)
+        dts, margs, mkwargs, key = D.unwrap_call(op, args, kwargs)
     except D.MixedTensorError:
         return stripped(op, args, kwargs)
     try:
@@ -100,8 +90,7 @@ def dispatch_halo(op, args: tuple, kwargs: dict):
             t = L.pad_local(t if d._spec.halo_partial or not d._spec.halo else L.narrow_local(t, d._spec, (), coord),
                             d._spec if d._spec.halo_partial else d._spec.plain, halo, coord)
         locals_.append(t)
-    largs = [D._local(a, locals_) for a in margs]
-    lkwargs = {k: D._local(v, locals_) for k, v in mkwargs.items()}
+    largs, lkwargs = D.local_args(margs, mkwargs, locals_)
     out = dec.plan.local_op(*largs, **lkwargs)
     if dec.inplace:
         L.written(args[0])
@@ -129,9 +118,7 @@ def stripped(op, args: tuple, kwargs: dict, handler=None):
     """Run ``op`` (through ``handler`` when given, else the dispatcher) without halos: arguments
     it writes and partial halos lose theirs in place (:func:`layout.demote_`), replicated ones are
     passed as their owned shards."""
-    from dtshard import dispatch as D
-
-    DT = D._DT
+    DT = DTensor
     names = [a.name for a in op._schema.arguments]
     written = set(_written(op))
     written_names = {names[k] for k in written}
@@ -156,19 +143,9 @@ def stripped(op, args: tuple, kwargs: dict, handler=None):
 
 
 def _plain_plan(op, args, kwargs, dts, margs, mkwargs, key):
-    from dtshard import dispatch as D
-    from dtshard.propagate import propagate
-
+    """The plan of the call without its halos: the dispatcher's own, shared with its cache."""
     pkey = tuple(k.plain if isinstance(k, DTensorSpec) else k for k in key)
-    try:
-        plan = D._cache.get(pkey)
-    except TypeError:
-        pkey, plan = None, None
-    if plan is None:
-        plan = propagate(op, args, kwargs, [d._spec.plain for d in dts], margs, mkwargs)
-        if pkey is not None:
-            D._cache[pkey] = plan
-    return plan
+    return D.cached_plan(pkey, lambda: propagate(op, args, kwargs, [d._spec.plain for d in dts], margs, mkwargs))
 
 
 def _decide(op, args, kwargs, dts, margs, mkwargs, key):
@@ -262,3 +239,8 @@ def _position(op, args, dt) -> int:
         if a is dt:
             return k
     return -1
+
+
+# the dispatcher sends ops on DTensors that carry a halo here, and strips halos through here for
+# handlers that do not read them (dtshard.hooks.layout_extension)
+hooks.layout_extension("halo", dispatch=dispatch_halo, strip=stripped)
