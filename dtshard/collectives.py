@@ -49,6 +49,8 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.R
 
 from dtshard import _trace
 from dtshard._trace import comm_observers as _observers
+from dtshard.layout import group_coords
+from dtshard.spec import mesh_identity
 
 # Per-mesh caches, keyed by id() but checked against a weak reference: a mesh that was freed can
 # leave its id to a new mesh, which must not inherit the old process groups.  Slicing a mesh
@@ -113,9 +115,6 @@ def flat_group(mesh: DeviceMesh, dims: tuple[int, ...]):
     because they run the same redistribute (plans are functions of metadata all ranks share).
     The group gets the default group's timeout.
     """
-    from dtshard.layout import group_coords
-    from dtshard.spec import mesh_identity
-
     dims = tuple(sorted(dims))
     key = (mesh_identity(mesh), dims)
     pg = _flat_groups.get(key)

@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from dtshard.tensor import DTensor, _promote_plain
+
 aten = torch.ops.aten
 
 #: (packet, overload names) of the functional overloads to cover
@@ -42,8 +44,6 @@ _lib = None
 
 def _values_kernel(op, positions):
     def run(*args, **kwargs):
-        from dtshard.tensor import DTensor
-
         args = list(args)
         for i in positions:
             if i < len(args) and isinstance(args[i], DTensor):
@@ -57,7 +57,6 @@ def _values_kernel(op, positions):
 def _kernel(op):
     def run(*args, **kwargs):
         out = op.decompose(*args, **kwargs)
-        from dtshard.tensor import DTensor, _promote_plain
 
         dts = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, DTensor)]
         if not dts:

@@ -21,6 +21,8 @@ from torch.distributed.tensor.placement_types import Partial
 
 from dtshard import _trace
 from dtshard.spec import placements_str
+from dtshard.tensor import DTensor
+from dtshard.propagate import placements_text
 
 __all__ = ["CommCounter", "CommDebugMode", "CommRecord", "CopyCounter", "explain", "peak_alloc_bytes", "plan_log",
            "visualize_sharding"]
@@ -240,8 +242,6 @@ def _make_comm_debug_mode():
     from torch.distributed.tensor.debug import CommDebugMode as _TorchCommDebugMode
     from torch.distributed.tensor.debug._comm_mode import _CommModeModuleTracker
 
-    from dtshard.tensor import DTensor
-
     class _Tracker(_CommModeModuleTracker):
         def _fw_pre_hook(self, mod, input):
             super()._fw_pre_hook(mod, input)
@@ -321,8 +321,6 @@ def explain(fn, *args, **kwargs) -> str:
     """Run ``fn(*args, **kwargs)`` and return, per dispatched op, the chosen plan, its cost in
     bytes, and the alternatives considered (cheapest first)."""
     seen: list[str] = []
-
-    from dtshard.propagate import placements_text
 
     def observe(op_name, plan, specs):
         text = plan.describe(specs)

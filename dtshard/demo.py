@@ -67,6 +67,13 @@ import torch.nn.functional as F
 import dtshard
 from dtshard import Replicate, Shard, distribute_module, distribute_tensor, init_device_mesh
 from dtshard.debug import CommCounter, peak_alloc_bytes
+from dtshard.spec import placements_str
+from dtshard.models import train_unet, unet_params, unet_stats
+from dtshard.models import UNet3d
+import dtshard.parallel
+from dtshard.fsdp import fully_shard
+from dtshard.models import LlamaConfig, Transformer, parallelize
+from dtshard.testing import DistributedTestError, launch
 
 # Tolerance of the comparison with the single-process model (float32): |a - b| <= ATOL + RTOL * |b|
 RTOL = 1e-5
@@ -193,8 +200,6 @@ def _params_summary(ref: nn.Module, model: nn.Module) -> list[tuple]:
 
 
 def dtshard_placements(t) -> str:
-    from dtshard.spec import placements_str
-
     return placements_str(t.placements)
 
 
@@ -379,8 +384,6 @@ def report(cfg: Config, steps: int, ranks: list[dict], elapsed: float) -> bool:
 def train_cnn_worker(steps: int, height: int = 14, width: int = 12) -> dict:
     """The UNet of dtshard.models with the images sharded on H (a spatial dim: convolutions and
     pooling exchange halos with their neighbours), next to the same model in one process."""
-    from dtshard.models import train_unet, unet_params, unet_stats
-
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     g = torch.Generator().manual_seed(1)
@@ -434,8 +437,6 @@ _HALO_OPS = ("convolution", "upsample", "pool", "constant_pad")
 def train_unet3d_worker(steps: int, size: tuple = (16, 16, 8), mem_size: tuple = (32, 32, 16)) -> dict:
     """:class:`dtshard.models.UNet3d` on volumes sharded on D x H (2x2 mesh, 4 ranks) or on D,
     next to the same model in one process (SGD, the same batches)."""
-    from dtshard.models import UNet3d
-
     world = dist.get_world_size()
     if world == 4:
         mesh, dims = init_device_mesh("cpu", (2, 2)), (2, 3)
@@ -539,10 +540,6 @@ def train_llama_worker(steps: int, dp: int = 1) -> dict:
     tensor + sequence parallel (``dp=1``), FSDP (``dp`` = world), or FSDP x TP on a
     ``(dp, world // dp)`` mesh.  With FSDP each data-parallel rank trains on its own 2 sequences
     and the reference on all of them (the global batch)."""
-    import dtshard.parallel
-    from dtshard.fsdp import fully_shard
-    from dtshard.models import LlamaConfig, Transformer, parallelize
-
     world = dist.get_world_size()
     dp_mesh, tp_mesh = _llama_mesh(world, dp)
     tp = tp_mesh.size() if tp_mesh is not None else 1
@@ -751,8 +748,6 @@ def _launch_and_report(worker_name: str, worker_args: tuple, args, *, ok, report
     under torchrun), then print the report on rank 0; the exit code says whether every step
     matched one process."""
     import importlib
-
-    from dtshard.testing import DistributedTestError, launch
 
     # by module name (not this module's globals, which are __main__'s under `python -m`), so that
     # spawned ranks can import the worker

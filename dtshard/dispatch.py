@@ -19,6 +19,9 @@ from dtshard.propagate import Plan, _Slot, lookup, propagate
 from dtshard.redistribute import redistribute_local
 from dtshard.spec import placements_str
 from torch.distributed.tensor.placement_types import Shard, _StridedShard
+from dtshard.collectives import is_member as _member  # is this rank in the mesh
+from dtshard.propagate import _run_meta
+from dtshard.spec import DTensorSpec, contiguous_strides
 
 __all__ = ["dispatch", "dispatch_planned", "clear_cache", "cache_info", "mixed_error", "MixedTensorError",
            "unwrap_call", "local_args", "cached_plan"]
@@ -144,24 +147,12 @@ def _plain_layouts(handler):
     return guarded
 
 
-def _member(mesh) -> bool:
-    global _is_member
-    if _is_member is None:
-        from dtshard.collectives import is_member as _is_member
-    return _is_member(mesh)
-
-
-_is_member = None  # dtshard.collectives.is_member, bound on first use (import order)
-
-
 def _non_member(op, margs, mkwargs, specs, args, kwargs):
     """The op on a rank outside the DTensors' mesh (pipeline stages, TP on one sub-group: every
     rank runs the same code): nothing is computed or communicated; tensor outputs are DTensors
     with the op's global shape and an empty local shard (a 0-dim zero for 0-dim outputs), as
     PyTorch's DTensor gives them, with Replicate placements; ``equal`` is True, other non-tensor
     results are zero; in-place and ``out=`` ops return their (empty) targets."""
-    from dtshard.propagate import _run_meta
-    from dtshard.spec import DTensorSpec, contiguous_strides
     from torch.distributed.tensor.placement_types import Replicate
 
     mode = "functional"

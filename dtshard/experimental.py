@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch.utils import _pytree as pytree

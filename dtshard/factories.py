@@ -32,6 +32,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from dtshard import collectives as C
 from dtshard.spec import DTensorSpec, contiguous_strides, normalize_placements
+from dtshard.tensor import DTensor, mesh_or_current
 
 __all__ = ["empty", "full", "ones", "rand", "randn", "zeros"]
 
@@ -47,8 +48,6 @@ def _factory(what: str, make_local, size, *, dtype, layout, requires_grad, devic
              fill=None):
     """A DTensor of global shape ``size`` whose local shard ``make_local(local_shape, dtype, device)``
     builds; ``fill(dtensor)`` (the random factories) then fills it in place."""
-    from dtshard.tensor import DTensor, mesh_or_current
-
     mesh = mesh_or_current(device_mesh, f"dtshard.{what}")
     shape = _size(size)
     if layout != torch.strided:

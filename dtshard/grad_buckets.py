@@ -29,6 +29,8 @@ from dtshard import collectives as C
 from dtshard import hooks
 from dtshard._config import config
 from dtshard.spec import mesh_identity
+from dtshard import _trace
+from dtshard.tensor import DTensor, reduce_partial_grad
 
 __all__ = ["bucket_gradient", "flush"]
 
@@ -110,8 +112,6 @@ def bucket_gradient(param, grad) -> bool:
 
 
 def _issue(bucket: _Bucket) -> None:
-    from dtshard import _trace
-
     locals_ = [g._local_tensor.reshape(-1) for _, g in bucket.items]
     bucket.flat = torch.cat(locals_) if len(locals_) > 1 else locals_[0].clone()
     bucket.versions = [g._version for _, g in bucket.items]
@@ -133,8 +133,6 @@ def flush() -> None:
 
 
 def _finish_issued() -> None:
-    from dtshard.tensor import DTensor, reduce_partial_grad
-
     done = list(_issued)
     _issued.clear()
     for bucket in done:

@@ -34,6 +34,7 @@ from dtshard.registry import OpCall, RuleEntry, get_entry
 from dtshard.spec import (DTensorSpec, TensorMeta, contiguous_strides, is_shard, is_strided, local_region,
                           local_shape, mesh_identity, placements_equal, placements_str, split_factor)
 from torch.distributed.tensor.placement_types import _StridedShard
+from dtshard.collectives import mesh_coordinate  # coordinate of this rank (cached)
 
 __all__ = ["Plan", "propagate", "NoRuleError", "RuleError", "config"]
 
@@ -465,8 +466,6 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
             ok = _view_regions_match(in_specs[0], out_specs[0], mesh_shape)
         considered.append((cost, (ins, outs), ok))  # formatted only when explain() shows it
         if ok:
-            from dtshard.collectives import mesh_coordinate  # coordinate of this rank (cached)
-
             coord = mesh_coordinate(mesh)
             overrides = tuple(
                 (idx, out_specs[k].local_shape(coord)) for idx, k in sorted(shape_args.items())

@@ -45,6 +45,7 @@ from dtshard.spec import (DTensorSpec, _itemsize, chunk_range, chunk_sizes, is_s
                           memo, placement_equal, placement_key, placement_str,
                           placements_str)
 from dtshard.spec import placement_kind as _kind
+from dtshard.layout import exchange_costs
 
 __all__ = ["Step", "GroupStep", "plan", "plan_text", "redistribute_local", "transition_cost"]
 
@@ -433,8 +434,6 @@ def _exchange_steps(spec: DTensorSpec, src: tuple, dst: tuple):
     """``(GroupStep,)`` for an exchange from ``src`` to ``dst`` (Shard/Replicate changes; Partial
     dims must be equal in both and stay outside the group), over the smallest group of mesh
     dims that holds everything its members need; None when impossible or a no-op."""
-    from dtshard.layout import exchange_costs
-
     if src == dst:
         return None
     pdims = [i for i, p in enumerate(src) if isinstance(p, Partial)]

@@ -15,6 +15,7 @@ from dtshard import collectives as C
 from dtshard.tensor import DTensor
 from dtshard.fsdp._group import ParamGroup, tp_mesh_inside
 from dtshard.fsdp._state import FSDPState
+from dtshard.spec import is_strided, mesh_identity, placements_str
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
 
@@ -291,8 +292,6 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 def _check_tp_param(where: str, fqn: str, p: DTensor, mesh) -> None:
     """FSDP x TP: a parameter that already is a dtshard DTensor (``parallelize_module`` on the
     ``"tp"`` sub-mesh) is sharded again over ``mesh`` (the ``"dp"`` sub-mesh of the same mesh)."""
-    from dtshard.spec import is_strided, mesh_identity, placements_str
-
     tp_mesh = p._spec.mesh
     desc = (f"parameter {fqn!r} (shape {tuple(p.shape)}, placements {placements_str(p._spec.placements)} on "
             f"mesh {tuple(tp_mesh.shape)} {tp_mesh.mesh_dim_names})")
@@ -385,8 +384,6 @@ def _from_spmd(where: str, params: list, spmd) -> tuple[list, dict]:
     other mesh dim (``mesh[tp]``) with that dim's placement, or, with no other dim, as a plain
     tensor.  Returns the params so converted and ``{fqn: (full mesh, placements, shape, DP dim
     indices)}``: the layout the module gets back in forward."""
-    from dtshard.spec import mesh_identity
-
     full, dp_dims, other = spmd
     out, layouts = [], {}
     for fqn, p, owners in params:

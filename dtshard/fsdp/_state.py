@@ -28,6 +28,8 @@ from torch.distributed.tensor.placement_types import Replicate
 
 from dtshard.fsdp._group import ParamGroup
 from dtshard.hooks import in_graph
+from dtshard.spec import DTensorSpec, contiguous_strides
+from dtshard.tensor import DTensor, _promote_plain
 
 
 class _Unshard(torch.autograd.Function):
@@ -378,9 +380,6 @@ class _SpmdParam(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, local: torch.Tensor, layout):
-        from dtshard.spec import DTensorSpec, contiguous_strides
-        from dtshard.tensor import DTensor
-
         mesh, placements, shape, _ = layout
         ctx.layout = layout
         spec = DTensorSpec(mesh, placements, shape, contiguous_strides(shape), local.dtype)
@@ -388,8 +387,6 @@ class _SpmdParam(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from dtshard.tensor import DTensor, _promote_plain
-
         mesh, placements, shape, dp_dims = ctx.layout
         if not isinstance(grad, DTensor):
             grad = _promote_plain(grad, mesh, shape=shape, what="the gradient of a dp_mesh_dims parameter")
@@ -414,9 +411,6 @@ def _tp_param(local: torch.Tensor, info) -> torch.Tensor:
     its gradient is brought to those placements (a Partial over the TP mesh, the gradient of a
     replicated weight under sequence parallelism, is all-reduced there) and its TP-local part
     flows to ``local``, which FSDP then reduce-scatters over the data-parallel mesh."""
-    from dtshard.spec import contiguous_strides
-    from dtshard.tensor import DTensor
-
     mesh, placements, shape = info.tp
     grad_placements = None
     if info.tp_inside:

@@ -22,13 +22,13 @@ import torch
 from torch.distributed.tensor.placement_types import Replicate
 
 from dtshard.registry import register_handler
+from dtshard.tensor import DTensor
+from dtshard.spec import mesh_identity
 
 aten = torch.ops.aten
 
 
 def _dt_class():
-    from dtshard.tensor import DTensor
-
     return DTensor
 
 
@@ -157,7 +157,6 @@ def _foreach_norm_handler(op, args, kwargs):
                 parts.append(aten.sum.default(aten.mul.Tensor(a, a)))
             else:
                 parts.append(aten.sum.default(aten.pow.Tensor_Scalar(a, ord_)))
-        from dtshard.spec import mesh_identity
 
         groups: dict = {}
         for k, p in enumerate(parts):

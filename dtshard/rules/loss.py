@@ -27,6 +27,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from dtshard.handlers import make_spec, mixed_error, to_local, wrap
 from dtshard.registry import register_handler
 from dtshard.rules._common import norm_dim
+from dtshard.tensor import DTensor, distribute_tensor
 
 aten = torch.ops.aten
 _NONE, _MEAN, _SUM = 0, 1, 2
@@ -156,8 +157,6 @@ _loss_parallel_depth = [0]
 
 
 def _dtensor_cls():
-    from dtshard.tensor import DTensor
-
     return DTensor
 
 
@@ -178,8 +177,6 @@ def _as_input(op, t, x, placements, what: str):
     if t is None or isinstance(t, DTensor):
         return t
     if isinstance(t, torch.Tensor) and t.dim() == 0:
-        from dtshard.tensor import distribute_tensor
-
         return distribute_tensor(t, x.device_mesh, [Replicate()] * x.device_mesh.ndim, src_data_rank=None)
     if isinstance(t, torch.Tensor) and _loss_parallel_depth[0] > 0:
         if any(isinstance(p, Shard) for p in placements):
@@ -187,7 +184,6 @@ def _as_input(op, t, x, placements, what: str):
                 f"loss_parallel(): {op} needs the {what} as a DTensor (not a plain torch.Tensor) when "
                 f"the input {tuple(x.shape)} {x.placements} is also sharded on a non-class dim: wrap "
                 f"it with DTensor.from_local or distribute_tensor to make its layout explicit.")
-        from dtshard.tensor import distribute_tensor
 
         # every rank holds the same full tensor (as PyTorch's loss_parallel assumes): no communication
         return distribute_tensor(t.detach(), x.device_mesh, placements, src_data_rank=None)
@@ -196,8 +192,6 @@ def _as_input(op, t, x, placements, what: str):
 
 def _class_ids(x, cdim: int):
     """arange(C) as a DTensor laid out like x's class dim (Shard(0) where x shards it, else R)."""
-    from dtshard.tensor import distribute_tensor
-
     C = x.shape[cdim]
     placements = [Shard(0) if isinstance(p, Shard) and p.dim == cdim else Replicate() for p in x.placements]
     return distribute_tensor(torch.arange(C, dtype=torch.int64), x.device_mesh, placements, src_data_rank=None)

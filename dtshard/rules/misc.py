@@ -22,6 +22,8 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from dtshard.registry import OpCall, register_handler, register_rule
 from dtshard.rules._common import aten_ops, norm_dim
+from dtshard.tensor import DTensor
+from dtshard.registry import get_entry
 
 aten = torch.ops.aten
 
@@ -109,8 +111,6 @@ def _walk(a, fn):
 
 def replicate_handler(op, args, kwargs):
     """Run ``op`` on the full (replicated) tensors; results come back Replicate."""
-    from dtshard.tensor import DTensor
-
     with torch.no_grad():
         mesh = []
 
@@ -177,8 +177,6 @@ _SEEN: set = set()
 
 
 def _register_replicate_only() -> None:
-    from dtshard.registry import get_entry
-
     for op in _REPLICATE_ONLY:
         if op in _SEEN or get_entry(op) is not None:
             continue  # another family (or an earlier import) already has a rule
@@ -194,8 +192,6 @@ _register_replicate_only()
 
 
 def _register_data_dependent() -> None:
-    from dtshard.registry import get_entry
-
     ops = [op for op in _DATA_DEPENDENT if get_entry(op) is None]
     register_handler(ops)(replicate_handler)
 

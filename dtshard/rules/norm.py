@@ -113,6 +113,11 @@ from dtshard import collectives as C  # noqa: E402
 from dtshard.handlers import (  # noqa: E402
     DTensor, bind, check_dtensors, make_spec, meta_run, op_context, to_local, wrap)
 from dtshard.registry import register_handler  # noqa: E402
+from dtshard.spatial.adaptive_pool import blocks_align
+from dtshard.spec import placements_str
+from dtshard.redistribute import redistribute_local
+from dtshard.spatial.conv_halo import SITE
+from dtshard.spatial import layout as SL
 
 
 def _keep_shards(x, allowed) -> list:
@@ -167,8 +172,6 @@ def _wrap(local, mesh, placements, shape):
 def _gn_layout(spec, group: int):
     """(x targets, statistics targets, per-channel (C,) targets, placements of the local (N, G)
     sums, placements of the local (C,) weight/bias gradients) for group norm of an x with ``spec``."""
-    from dtshard.spatial.adaptive_pool import blocks_align
-
     c = spec.shape[1] if spec.ndim > 1 else 1
     channel_dims = [i for i, p in enumerate(spec.placements) if isinstance(p, Shard) and p.dim == 1]
     whole_groups = bool(channel_dims) and blocks_align(c, group, spec.mesh_shape, channel_dims)
@@ -189,8 +192,6 @@ def _gn_layout(spec, group: int):
 
 
 def _gn_context(op, tensors) -> str:
-    from dtshard.spec import placements_str
-
     ins = ", ".join(f"{tuple(t.shape)} {placements_str(t.placements)}" for t in tensors if t is not None)
     return f"{op} on inputs [{ins}] over mesh {tuple(tensors[0].device_mesh.shape)}"
 
@@ -203,8 +204,6 @@ def _gn_acc(t: torch.Tensor) -> torch.Tensor:
 def _gn_reduce(local, mesh, sums, stat_t, shape, dtype):
     """Local (N, G[, k]) sums with placements ``sums`` reduced to ``stat_t`` (Partial -> Replicate:
     one all_reduce over the spatial mesh dims; nothing when none is sharded)."""
-    from dtshard.redistribute import redistribute_local
-
     return redistribute_local(local, make_spec(mesh, sums, shape, dtype), stat_t)
 
 
@@ -220,8 +219,6 @@ def _gn_halo(x, x_t, weight, bias) -> bool:
 def _with_halo_of(local, spec, x):
     """``local`` wrapped with ``spec`` plus ``x``'s halo (and the record of where it came from:
     spatial.conv_halo.SITE)."""
-    from dtshard.spatial.conv_halo import SITE
-
     res = wrap(local, spec.with_halo(x._spec.halo))
     site = x.__dict__.get(SITE)
     if site is not None:
@@ -231,15 +228,11 @@ def _with_halo_of(local, spec, x):
 
 def _owned(t, spec, coord):
     """The owned part of an extended local ``t`` laid out like ``spec`` (a view)."""
-    from dtshard.spatial import layout as SL
-
     return SL.narrow_local(t, spec, (), coord)
 
 
 @register_handler(aten.native_group_norm.default, keeps_halo=True)
 def group_norm_handler(op, args, kwargs):
-    from dtshard.spatial import layout as SL
-
     x, weight, bias, n, c, hxw, group, eps = bind(op, args, kwargs)
     check_dtensors(op, [t for t in (x, weight, bias) if t is not None])
     weight, bias = (None if t is None else SL.strip(t) for t in (weight, bias))
@@ -297,8 +290,6 @@ def group_norm_backward_handler(op, args, kwargs):
     its rows.  The group sums run over every row ``g`` carries (each rank's contributions add up
     to the true sums); the input gradient's terms that do not scale ``g`` go on the owned rows
     only, so the result is a partial halo of ``g``'s widths."""
-    from dtshard.spatial import layout as SL
-
     g, x, mean, rstd, weight, n, c, hxw, group, mask = bind(op, args, kwargs)
     check_dtensors(op, [t for t in (g, x, mean, rstd, weight) if t is not None])
     mean, rstd, weight = (None if t is None else SL.strip(t) for t in (mean, rstd, weight))
@@ -466,8 +457,6 @@ def _bn_halo_forward(x, weight, bias, running_mean, running_var, momentum, eps):
 def _bn_halo_backward(g, x, w, smean, sinv, mask):
     """Backward of :func:`_bn_halo_forward` (as group norm's: sums over every row the partial
     gradient carries, the terms that do not scale it on the owned rows only)."""
-    from dtshard.spatial import layout as SL
-
     mesh = x.device_mesh
     coord = C.mesh_coordinate(mesh)
     rep = [Replicate()] * mesh.ndim
@@ -498,15 +487,11 @@ def _bn_halo_backward(g, x, w, smean, sinv, mask):
 
 
 def _bn_fresh(t) -> None:
-    from dtshard.spatial import layout as SL
-
     if isinstance(t, DTensor):
         SL.fresh(t)
 
 
 def _bn_strip(t):
-    from dtshard.spatial import layout as SL
-
     if isinstance(t, DTensor) and t._spec.halo:
         if t._spec.halo_partial:
             SL.demote_(t)
@@ -555,8 +540,6 @@ def batch_norm_no_stats_handler(op, args, kwargs):
 
 @register_handler(aten.native_batch_norm_backward.default, keeps_halo=True)
 def batch_norm_backward_handler(op, args, kwargs):
-    from dtshard.spatial import layout as SL
-
     with torch.no_grad():
         names = ("grad_out", "input", "weight", "running_mean", "running_var", "save_mean", "save_invstd",
                  "train", "eps", "output_mask")

@@ -17,6 +17,7 @@ from dtshard import hooks
 from dtshard.registry import OpCall, register_rule
 from dtshard.spec import TensorMeta
 from dtshard.rules._common import LINEAR_REDUCE_OPS, R, broadcast_shape, contiguous_strides, follow_output
+from dtshard.registry import get_entry
 
 aten = torch.ops.aten
 
@@ -211,8 +212,6 @@ def register_compile_prims() -> None:
     imported, which Dynamo uses to rewrite ops (``prims.fma``: ``a * b + c``, from ``lerp`` and
     ``add(alpha=)`` in compiled optimizers).  Run when ``torch._dynamo`` is imported (``dtshard.hooks``)."""
     import torch._inductor.inductor_prims  # noqa: F401  (defines torch.ops.prims.fma)
-
-    from dtshard.registry import get_entry
 
     fma = torch.ops.prims.fma.default
     if get_entry(fma) is None:

@@ -34,6 +34,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate
 from dtshard._config import config
 from dtshard.registry import register_handler
 from dtshard.rules._common import aten_ops
+from dtshard.tensor import DTensor
 
 aten = torch.ops.aten
 
@@ -59,8 +60,6 @@ _VALUE_DEPENDENT = aten_ops([
 
 
 def _dt_class():
-    from dtshard.tensor import DTensor
-
     return DTensor
 
 

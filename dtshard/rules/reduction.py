@@ -16,6 +16,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from dtshard.registry import OpCall, register_handler, register_rule
 from dtshard.rules._common import LINEAR_REDUCE_OPS, contiguous_strides, norm_dim, norm_dims
 from dtshard.spec import TensorMeta
+from dtshard.tensor import DTensor
 
 aten = torch.ops.aten
 
@@ -333,8 +334,6 @@ def _needs_global(x, dims) -> bool:
 def _local_reduction(op, x, dims, keepdim, args, kwargs):
     """Run a reduction whose reduced dims are whole on every rank on the local shard; the other
     dims keep their shards (renumbered when the reduced dims are dropped)."""
-    from dtshard.tensor import DTensor
-
     mesh = x.device_mesh
     gout = op(torch.empty(tuple(x.shape), dtype=x.dtype, device="meta"), *args[1:], **kwargs)
     lout = op(x.to_local(), *args[1:], **kwargs)

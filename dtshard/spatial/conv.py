@@ -65,6 +65,7 @@ from dtshard.spatial import conv_halo as HC
 from dtshard.spatial import layout as SL
 from dtshard.registry import register_handler
 from dtshard.spec import DTensorSpec, chunk_range
+from dtshard import dispatch
 
 aten = torch.ops.aten
 
@@ -524,8 +525,6 @@ _conv_backward_cache: dict = {}
 
 
 def _register_caches() -> None:
-    from dtshard import dispatch
-
     dispatch.handler_caches.extend([_conv_plans_cache, _conv_backward_cache])
 
 

@@ -29,6 +29,7 @@ import torch
 
 from dtshard.spec import Halo
 from dtshard.spatial import layout as L
+from dtshard.spec import chunk_range
 
 __all__ = ["forward_plan", "backward_plan", "widening_for", "window", "KEPT", "SITE", "Site"]
 
@@ -130,8 +131,6 @@ def window(xl: torch.Tensor, windows) -> torch.Tensor:
 
 
 def _depth(x_spec, w_shape, groups, dims, coord) -> int:
-    from dtshard.spec import chunk_range
-
     n = L.get_halo_depth()
     if n != "auto":
         return n

@@ -46,6 +46,8 @@ import torch
 
 from dtshard.spatial import halo as H
 from dtshard.spec import DTensorSpec, Halo, chunk_range
+from dtshard import collectives as C
+from dtshard.tensor import DTensor
 
 __all__ = [
     "halo_depth",
@@ -235,8 +237,6 @@ def plain_local(dt) -> torch.Tensor:
     """``dt``'s owned shard as a plain local tensor: a narrow of a replicated halo, or, for a
     partial one, the owners' sums (one ``halo.accumulate`` per halo dim, in reverse order: a
     collective, entered by every rank alike since the spec is the same everywhere)."""
-    from dtshard import collectives as C
-
     spec = dt._spec
     local = dt._local_tensor
     if not spec.halo:
@@ -255,7 +255,6 @@ def strip(dt):
     wrapper, no graph).  ``dt`` itself when it has none."""
     if not dt._spec.halo:
         return dt
-    from dtshard.tensor import DTensor
 
     return DTensor(plain_local(dt), dt._spec.plain, requires_grad=False)
 

@@ -59,6 +59,7 @@ from dtshard.registry import register_handler
 from dtshard.handlers import bind, check_dtensors, make_spec, meta_run, op_context, to_local, wrap
 from dtshard.spatial.conv import spatial_shards
 from dtshard.spec import DTensorSpec, chunk_range
+from dtshard.tensor import DTensor
 
 aten = torch.ops.aten
 
@@ -633,8 +634,6 @@ def _run_cpp_kernels_for_dtensors(ops) -> None:
                 continue
 
             def kernel(*args, _op=op, _decomposition=decomposition, **kwargs):
-                from dtshard.tensor import DTensor
-
                 x = args[0] if args else kwargs.get("input", kwargs.get("self"))
                 if isinstance(x, DTensor):
                     with no_python_dispatcher():

@@ -194,3 +194,26 @@ def test_the_architecture_page_holds_the_same_layer_table():
         if m:
             rows[int(m.group(1))] = re.findall(r"`([^`]+)`", m.group(2))
     assert rows == LAYERS
+
+
+def _local_imports(path: str) -> list[int]:
+    """Line numbers of the imports of dtshard modules that are not at the top of the file."""
+    tree = ast.parse(open(path).read())
+    top = {id(n) for n in tree.body}
+    return [n.lineno for n in ast.walk(tree)
+            if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in top
+            and any(name.split(".")[0] == "dtshard"
+                    for name in ([n.module or ""] if isinstance(n, ast.ImportFrom) else [a.name for a in n.names]))]
+
+
+def test_dtshard_modules_are_imported_at_the_top():
+    """The import graph has no circle, so no dtshard import needs to hide inside a function; a
+    function-local import is for an optional dependency only (triton, torch._dynamo, ...)."""
+    mods = _modules(os.path.join(ROOT, "dtshard"), "dtshard")
+    assert {m: ln for m, p in mods.items() if (ln := _local_imports(p))} == {}
+
+
+def test_the_local_import_check_finds_one(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("import torch\n\ndef f():\n    import torch._dynamo\n    from dtshard.spec import DTensorSpec\n")
+    assert _local_imports(str(f)) == [5]
