@@ -362,14 +362,16 @@ _DT: Any = None  # dtshard.tensor.DTensor, bound by tensor.py (avoids an import 
 _observers = _trace.plan_observers  # the same list object: one global lookup on the hot path
 
 
-def bind_tensor_class(cls, promote_plain) -> None:
-    """The tensor class and its ``promote_plain`` (a plain tensor as a Replicate DTensor), bound
-    by ``dtshard.tensor`` at its import: the dispatcher does not import the module above it."""
-    global _DT, _promote_plain
-    _DT, _promote_plain = cls, promote_plain
+def bind_tensor_class(cls, promote_plain, op_output) -> None:
+    """The tensor class, its ``promote_plain`` (a plain tensor as a Replicate DTensor) and its
+    ``op_output`` (``cls(local, spec, requires_grad=False)`` for a spec without a halo, faster),
+    bound by ``dtshard.tensor`` at its import: the dispatcher does not import the module above it."""
+    global _DT, _promote_plain, _op_output
+    _DT, _promote_plain, _op_output = cls, promote_plain, op_output
 
 
 _promote_plain: Any = None  # dtshard.tensor._promote_plain, bound with the class
+_op_output: Any = None  # dtshard.tensor._op_output, bound with the class
 
 
 def dispatch(op, args: tuple, kwargs: dict):
@@ -429,7 +431,7 @@ def dispatch(op, args: tuple, kwargs: dict):
         _observe(op, plan, [d._spec for d in dts])
     spec = plan._simple_out
     if spec is not None:  # functional, one tensor out, nothing to move, not a view: call and wrap
-        return DT(plan.local_op(*largs, **kwargs), spec, requires_grad=False)
+        return _op_output(plan.local_op(*largs, **kwargs), spec)
     if plan.mode == "inplace" and args[0]._copied_view is not None:
         raise _write_to_copied_view(op, args[0])
     if plan._redistributes:
@@ -444,9 +446,12 @@ def dispatch(op, args: tuple, kwargs: dict):
             _set_wrapper_metadata(op, args, kwargs, plan)
         return args[0]
     if plan.is_view:
+        if (type(out) is torch.Tensor and not plan.breaks_alias and dts[0]._copied_view is None
+                and not torch.is_inference_mode_enabled()):  # a plain view: nothing to note
+            return _op_output(out, plan.out_specs[0])
         return _wrap_view(op, plan, dts[0], out)
     if type(out) is torch.Tensor:
-        return DT(out, plan.out_specs[0], requires_grad=False)
+        return _op_output(out, plan.out_specs[0])
     return _wrap(out, iter(plan.out_specs), DT)
 
 
@@ -459,7 +464,7 @@ def _detach(a):
     inference mode, where :func:`_wrap_view` decides how the wrapper is made)."""
     if type(a) is not _DT or a._spec.halo or torch.is_inference_mode_enabled():
         return None
-    out = _DT(a._local_tensor.detach(), a._spec, requires_grad=False)
+    out = _op_output(a._local_tensor.detach(), a._spec)
     if a._copied_view is not None:
         out._copied_view = a._copied_view
     _stats["hits"] += 1
@@ -697,7 +702,7 @@ def _promote_plain_args(op, args: tuple, kwargs: dict, in_backward: bool) -> tup
 
 def _wrap(out, specs, DT):
     if isinstance(out, torch.Tensor):
-        return DT(out, next(specs), requires_grad=False)
+        return _op_output(out, next(specs))
     if isinstance(out, (list, tuple)):
         return type(out)(_wrap(o, specs, DT) for o in out)
     next(specs)  # None or non-tensor output

@@ -542,7 +542,25 @@ def _check_from_local(local: torch.Tensor, spec: DTensorSpec) -> None:
         )
 
 
-bind_tensor_class(DTensor, _promote_plain)
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+
+
+def _op_output(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
+    """``DTensor(local, spec, requires_grad=False)`` for a spec without a halo: the dispatcher's
+    wrap of an op's output (its hot path), without the constructor's call overhead and the
+    halo and leaf branches, which never apply there; the conjugate / negative bits still do."""
+    r = _make_wrapper(DTensor, spec.shape, strides=spec.stride, dtype=spec.dtype, device=local.device,
+                      layout=local.layout, requires_grad=False)
+    r._local_tensor = local
+    r._spec = spec
+    if local.is_conj():
+        torch._C._set_conj(r, True)
+    if local.is_neg():
+        torch._C._set_neg(r, True)
+    return r
+
+
+bind_tensor_class(DTensor, _promote_plain, _op_output)
 
 # ``torch.load``'s default ``weights_only=True`` unpickles only allowlisted classes: dtshard's DTensor
 # and its spec join the ones ``torch.distributed.tensor`` registers for its own DTensor (DeviceMesh,
