@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -51,6 +50,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _checkout import free_port  # noqa: E402  (benchmarks/: run as a script)
+
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
@@ -58,12 +59,6 @@ if _ROOT not in sys.path:
 
 WORLD = 2
 DEFAULT_VARIANTS = "dtshard:S2,dtshard:S3,dtshard:S0,torch:S0,torch:S3,torch:S2"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _import_dtshard():
@@ -343,7 +338,7 @@ def main(argv=None):
         args.reps = 3 if args.big else 7
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     t0 = time.time()
-    mp.spawn(_worker, args=(args, _free_port(), args.json), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(args, free_port(), args.json), nprocs=WORLD, join=True)
     with open(args.json) as f:
         data = json.load(f)
     print(report(data))

@@ -103,7 +103,6 @@ import gc
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import threading
@@ -123,6 +122,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from _checkout import free_port  # noqa: E402  (benchmarks/: run as a script)
+
 
 
 def _import_dtshard():
@@ -130,12 +131,6 @@ def _import_dtshard():
     from _checkout import import_this_checkout
 
     return import_this_checkout()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -703,7 +698,7 @@ def main(argv=None):
     os.environ["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD
     t0 = time.time()
     load0 = os.getloadavg()
-    mp.spawn(_worker, args=(args, _free_port(), args.json), nprocs=args.world, join=True)
+    mp.spawn(_worker, args=(args, free_port(), args.json), nprocs=args.world, join=True)
     wall = time.time() - t0
     with open(args.json) as f:
         data = json.load(f)

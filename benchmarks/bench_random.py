@@ -17,18 +17,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _checkout import import_this_checkout  # noqa: E402
+from _checkout import free_port, import_this_checkout  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+
 
 
 def worker(rank, world, args, port, out_path):
@@ -67,12 +67,6 @@ def worker(rank, world, args, port, out_path):
     dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", default="2,4")
@@ -82,7 +76,7 @@ def main():
     print(f"torch {torch.__version__}, {args.mib} MiB fp32 global, Shard(0), 1 thread per rank, median of {args.reps}")
     for world in (int(w) for w in args.ranks.split(",")):
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
-            mp.spawn(worker, args=(world, args, _free_port(), f.name), nprocs=world)
+            mp.spawn(worker, args=(world, args, free_port(), f.name), nprocs=world)
             res = json.load(open(f.name))
         for name, (sec, ratio) in res.items():
             print(f"{world} ranks  {name:<26} {sec * 1e3:8.1f} ms  {ratio:5.2f}x floor")

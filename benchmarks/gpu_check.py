@@ -59,13 +59,14 @@ import platform
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
+from _checkout import free_port  # noqa: E402  (benchmarks/: run as a script)
+
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -84,12 +85,6 @@ def _row(section, result, numbers="", target="", met=None) -> dict:
 # =============================================================================================
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _init_world_of_one(backend: str) -> None:
     """A 1-rank default process group on a TCP store on 127.0.0.1 (NCCL on the GPU, gloo on CPU)."""
     import torch
@@ -98,7 +93,7 @@ def _init_world_of_one(backend: str) -> None:
 
     if backend == "nccl":
         torch.cuda.set_device(0)
-    C.init_process_group(backend, timeout_s=120, init_method=f"tcp://127.0.0.1:{_free_port()}",
+    C.init_process_group(backend, timeout_s=120, init_method=f"tcp://127.0.0.1:{free_port()}",
                          rank=0, world_size=1)
 
 

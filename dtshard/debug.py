@@ -336,10 +336,6 @@ def explain(fn, *args, **kwargs) -> str:
     return "\n".join(seen)
 
 
-def describe_spec(spec) -> str:
-    return f"{tuple(spec.shape)} {placements_str(spec.placements)} on mesh {tuple(spec.mesh.shape)}"
-
-
 def _blocks(spec, coord) -> list[list[tuple[int, int]]]:
     """The blocks (per dim one index range) a rank holds: one, or several for a strided shard."""
     region = spec.local_region(coord)

@@ -87,7 +87,3 @@ def norm_dims(dims, ndim: int) -> list[int]:
     if len(dims) == 0:  # aten convention: an empty dim list reduces everything
         return list(range(ndim))
     return sorted({norm_dim(d, ndim) for d in dims})
-
-
-def is_float(dtype) -> bool:
-    return dtype.is_floating_point or dtype.is_complex
