@@ -218,19 +218,29 @@ def register_compile_prims() -> None:
         register_rule(fma, meta=pointwise_meta)(pointwise_rule)
 
 
+def _prelu_weight_placement(x, w, d: int):
+    """The weight's placement when ``x`` is sharded on dim ``d``: the same shard where the
+    weight (right-aligned, as broadcasting aligns it) spans that dim, else Replicate (it
+    broadcasts along it)."""
+    wd = d - (x.ndim - w.ndim)
+    return Shard(wd) if wd >= 0 and w.shape[wd] == x.shape[d] and x.shape[d] > 1 else R
+
+
 @register_rule(aten._prelu_kernel.default)
 def prelu_rule(call: OpCall):
-    # prelu(x, weight): weight is per channel (dim 1) or a single value
+    # prelu(x, weight): elementwise, the weight broadcast into x ((1, C, 1, ...) from F.prelu)
     x, w = call.tensors[0], call.tensors[1]
-    strategies = [((Shard(d),), (Shard(d), R)) for d in range(x.ndim) if d != 1]
-    if x.ndim > 1 and w.numel() == x.shape[1] and w.numel() > 1 and w.ndim == 1:
-        strategies.append(((Shard(1),), (Shard(1), Shard(0))))
-    return strategies
+    return [((Shard(d),), (Shard(d), _prelu_weight_placement(x, w, d))) for d in range(x.ndim)]
 
 
 @register_rule(aten._prelu_kernel_backward.default)
 def prelu_backward_rule(call: OpCall):
-    # (grad_input, grad_weight): grad_weight sums over every dim but the channels
+    # (grad_input, grad_weight) of prelu(x, weight), BOTH of x's (broadcast) shape: the kernel is
+    # elementwise and autograd sums grad_weight to the weight's shape in a separate op. So every
+    # dim of x shards both outputs, with nothing moved; both are linear in the output gradient,
+    # so a Partial gradient gives Partial results.
     g, x, w = call.tensors
-    strategies = [((Shard(d), Partial("sum")), (Shard(d), Shard(d), R)) for d in range(x.ndim) if d != 1]
+    strategies = [((Shard(d), Shard(d)), (Shard(d), Shard(d), _prelu_weight_placement(x, w, d)))
+                  for d in range(x.ndim)]
+    strategies.append(((Partial("sum"), Partial("sum")), (Partial("sum"), R, R)))
     return strategies

@@ -326,6 +326,49 @@ def test_traffic():
         assert r["aligned"] == ([], [], "(Shard(dim=2),)"), r["aligned"]
 
 
+def _prelu(world: int):
+    """PReLU (one weight per channel, and a single one) on activations sharded on H, D, the batch
+    and the channels (uneven: H = 7): output and both gradients against one process in float64,
+    and the traffic (issue #31: its backward all-gathered the activation and its gradient)."""
+    m = mesh((world,))
+    out = []
+    torch.manual_seed(0)
+    for shape, dim, n_weights in (((2, 4, 7, 6), 2, 4), ((2, 3, 6, 5, 4), 2, 3), ((3, 4, 5, 6), 0, 1),
+                                  ((2, 4, 7, 6), 1, 4), ((2, 4, 7, 6), 3, 1)):
+        x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+        w = (torch.rand(n_weights, dtype=torch.float64) * 0.5).requires_grad_()
+        g = torch.randn(*shape, dtype=torch.float64)
+        ref = F.prelu(x, w)
+        rgx, rgw = torch.autograd.grad(ref, (x, w), g)
+        dx = dtshard.distribute_tensor(x.detach(), m, Ps([f"S{dim}"])).requires_grad_()
+        dw = dtshard.distribute_tensor(w.detach(), m, [Replicate()]).requires_grad_()
+        with CommCounter() as fwd:
+            y = F.prelu(dx, dw)
+        dg = dtshard.distribute_tensor(g, m, y.placements)
+        with CommCounter() as bwd:
+            gx, gw = torch.autograd.grad(y, (dx, dw), dg)
+        name = f"prelu {shape} S({dim}) {n_weights} weight(s)"
+        try:
+            _check_local(name, y, ref.detach(), m)
+            _check_local(name + " grad x", gx, rgx, m)
+            torch.testing.assert_close(gw.full_tensor(), rgw, msg=lambda s: f"{name} grad w: {s}")
+        except AssertionError as e:
+            out.append(str(e))
+        # forward: local; backward: local but the weight gradient's sum over the shards (one
+        # all_reduce of the weight's size; none for a channel shard) -- never an all_gather
+        shards_channels = dim == 1 and n_weights > 1
+        if fwd.kinds() or "all_gather" in bwd.kinds() or bwd.count() > (0 if shards_channels else 1) \
+                or any(r.nbytes > n_weights * 8 for r in bwd.records):
+            out.append(f"{name}: traffic forward {fwd.summary()} backward {bwd.summary()}")
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_prelu_keeps_activations_sharded(world):
+    for failures in run_distributed(_prelu, world, world):
+        assert failures == [], "\n".join(failures)
+
+
 def _errors():
     m = mesh((2,))
     x = dtshard.distribute_tensor(torch.randn(2, 3, 7, 6), m, Ps(["S2"]))
