@@ -110,7 +110,7 @@ def _bench(rank, world, args, q):
 def _model(rank, world, args, q):
     import dtshard
     from dtshard.spatial import halo as H
-    from dtshard.spatial import layout as L
+    from dtshard.spatial import halo_layout as L
 
     mesh = dtshard.init_device_mesh("cpu", (world,))
     me = mesh.get_coordinate()[0]

@@ -183,7 +183,7 @@ class DTensor(torch.Tensor):
         )
         r._local_tensor = local_tensor
         r._spec = spec
-        if spec.halo:  # the halo rows are valid for this version (dtshard.spatial.layout.fresh)
+        if spec.halo:  # the halo rows are valid for this version (dtshard.spatial.halo_layout.fresh)
             r.__dict__["_dtshard_halo_v"] = r._version
         # the lazy conjugate / negative bits live on the tensor, not in the storage: the wrapper
         # carries its shard's (as PyTorch's DTensor does), so PyTorch's Conjugate and Negative

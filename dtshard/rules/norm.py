@@ -117,7 +117,7 @@ from dtshard.spatial.adaptive_pool import blocks_align
 from dtshard.spec import placements_str
 from dtshard.redistribute import redistribute_local
 from dtshard.spatial.conv_halo import SITE
-from dtshard.spatial import layout as SL
+from dtshard.spatial import halo_layout as SL
 
 
 def _keep_shards(x, allowed) -> list:

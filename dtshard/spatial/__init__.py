@@ -2,7 +2,7 @@
 
 A tensor sharded on a spatial dim (``Shard(2)`` of an ``(N, C, H, W)`` activation) may carry a
 halo: rows of its neighbours' shards, kept in its local tensor next to its own (the spec's
-``halo``; see :mod:`dtshard.spatial.layout`).  Pointwise ops, activations and group norm compute
+``halo``; see :mod:`dtshard.spatial.halo_layout`).  Pointwise ops, activations and group norm compute
 on those rows too; a stride-1 "same" convolution consumes ``p`` of them per side; one exchange
 fetches enough rows for :func:`halo_depth` layers.  So a chain of L 3x3 convolutions with norms
 and activations between them exchanges once per side in forward (and once in backward) instead
@@ -11,7 +11,7 @@ of L times, for ``r (L - 1) / w`` extra compute (``w`` the local width).
 The package holds the whole windowed-op family: ``halo.py`` (the window arithmetic of HALO.md
 and the exchange), the handlers and rules of convolution (``conv.py``), pooling (``pool.py``,
 ``adaptive_pool.py``) and interpolation and padding (``upsample.py``), and the halo layout
-(``layout.py``, ``pointwise.py``, ``conv_halo.py``).
+(``halo_layout.py``, ``halo_ops.py``, ``conv_halo.py``).
 
 Public API:
 
@@ -21,8 +21,8 @@ Public API:
 - :func:`halo_of`: a DTensor's halo widths; :func:`drop_halo`: the same tensor without its halo.
 """
 
-from dtshard.spatial import pointwise as _pointwise  # noqa: F401  (registers the halo layout extension)
-from dtshard.spatial.layout import auto_depth, get_halo_depth, halo_depth, model
+from dtshard.spatial import halo_ops as _halo_ops  # noqa: F401  (registers the halo layout extension)
+from dtshard.spatial.halo_layout import auto_depth, get_halo_depth, halo_depth, model
 
 __all__ = ["halo_depth", "get_halo_depth", "auto_depth", "model", "halo_of", "drop_halo"]
 

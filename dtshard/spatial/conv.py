@@ -62,7 +62,7 @@ from dtshard.spatial import halo
 from dtshard import collectives as C
 from dtshard._config import config
 from dtshard.spatial import conv_halo as HC
-from dtshard.spatial import layout as SL
+from dtshard.spatial import halo_layout as SL
 from dtshard.registry import register_handler
 from dtshard.spec import DTensorSpec, chunk_range
 from dtshard import dispatch

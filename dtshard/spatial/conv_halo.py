@@ -1,4 +1,4 @@
-"""Convolutions on halo layouts (see layout.py): the planning and the local window of each call.
+"""Convolutions on halo layouts (see halo_layout.py): the planning and the local window of each call.
 
 A convolution qualifies when every mesh dim shards the batch, shards a spatial dim or
 replicates, the weight and bias are replicated, and every sharded spatial dim has stride 1 and
@@ -16,7 +16,7 @@ Per sharded dim, with nominal widths:
   from what the forward's exchange received (kept on the input) or from an exchange, and the
   gradient's halo is sent back to its owners once (``halo.accumulate``).
 
-Every rank computes its local window from metadata alone: the extended ranges of layout.py, zero
+Every rank computes its local window from metadata alone: the extended ranges of halo_layout.py, zero
 padding only at the global edges.
 """
 
@@ -28,7 +28,7 @@ import dtshard_kernels as K
 import torch
 
 from dtshard.spec import Halo
-from dtshard.spatial import layout as L
+from dtshard.spatial import halo_layout as L
 from dtshard.spec import chunk_range
 
 __all__ = ["forward_plan", "backward_plan", "widening_for", "window", "KEPT", "SITE", "Site"]

@@ -18,7 +18,7 @@ import dtshard
 from dtshard import Replicate, Shard
 from dtshard.debug import CommCounter
 from dtshard.spec import Halo
-from dtshard.spatial import layout as L
+from dtshard.spatial import halo_layout as L
 from dtshard.testing import run_distributed
 
 from _cases import mesh

@@ -137,9 +137,9 @@ def test_handlers_use_the_handler_kit_and_public_names_only():
 def test_the_private_name_check_finds_one(tmp_path):
     f = tmp_path / "h.py"
     f.write_text("from dtshard.dispatch import _mixed_error\nfrom dtshard import dispatch as D\n"
-                 "def h():\n    from dtshard.spatial import layout as SL\n    return D._DT, SL._depth, D.dispatch\n")
+                 "def h():\n    from dtshard.spatial import halo_layout as SL\n    return D._DT, SL._depth, D.dispatch\n")
     assert _private_uses(str(f), os.path.join(ROOT, "dtshard")) == [
-        "D._DT (dtshard.dispatch)", "SL._depth (dtshard.spatial.layout)", "from dtshard.dispatch import _mixed_error"]
+        "D._DT (dtshard.dispatch)", "SL._depth (dtshard.spatial.halo_layout)", "from dtshard.dispatch import _mixed_error"]
 
 
 #: the layer of every module under dtshard/ (docs/ARCHITECTURE.md holds the same table): a module

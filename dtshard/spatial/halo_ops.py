@@ -1,4 +1,4 @@
-"""The dispatcher's path for ops with a DTensor argument that carries a halo (see layout.py).
+"""The dispatcher's path for ops with a DTensor argument that carries a halo (see halo_layout.py).
 
 An op that has no handler reaches :func:`dispatch_halo`.  It is planned as it would be without
 the halos (the dispatcher's own plan, shared with its cache); then, when the op is one that can
@@ -16,7 +16,7 @@ from dtshard import collectives as C
 from dtshard import dispatch as D
 from dtshard import hooks
 from dtshard.spec import DTensorSpec, Halo
-from dtshard.spatial import layout as L
+from dtshard.spatial import halo_layout as L
 from dtshard.propagate import propagate
 from dtshard.tensor import DTensor
 
