@@ -51,10 +51,13 @@ One module per demo (``block``, ``llama``, ``cnn``, ``unet3d``); ``cli`` is the 
 ``_report`` the report code they share.
 """
 
-from dtshard.demo.block import Config, shard_block, train_worker  # noqa: F401  (python -m dtshard.demo's workers)
+from dtshard.demo.block import MLP, Block, Config, SelfAttention, shard_block, train_worker  # noqa: F401
 from dtshard.demo.cli import main  # noqa: F401
 from dtshard.demo.cnn import train_cnn_worker  # noqa: F401
 from dtshard.demo.llama import _llama_step_ok, train_llama_worker  # noqa: F401
 from dtshard.demo.unet3d import train_unet3d_worker  # noqa: F401
 
-__all__ = ["main", "train_worker", "train_cnn_worker", "train_unet3d_worker", "train_llama_worker"]
+#: the demos' workers (``python -m dtshard.demo`` launches them by name) and the block demo's model,
+#: which the compile tests reuse
+__all__ = ["Block", "Config", "MLP", "SelfAttention", "main", "shard_block", "train_worker", "train_cnn_worker",
+           "train_unet3d_worker", "train_llama_worker"]
