@@ -11,17 +11,15 @@ import itertools
 from typing import Any
 
 import torch
+from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
 from dtshard import _trace
 from dtshard import hooks
 from dtshard import registry
-from dtshard.propagate import Plan, _Slot, lookup, propagate
-from dtshard.redistribute import redistribute_local
-from dtshard.spec import placements_str
-from torch.distributed.tensor.placement_types import Shard, _StridedShard
 from dtshard.collectives import is_member as _member  # is this rank in the mesh
-from dtshard.propagate import _run_meta
-from dtshard.spec import DTensorSpec, contiguous_strides
+from dtshard.propagate import Plan, _run_meta, _Slot, lookup, propagate
+from dtshard.redistribute import redistribute_local
+from dtshard.spec import DTensorSpec, contiguous_strides, placements_str
 
 __all__ = ["dispatch", "dispatch_planned", "clear_cache", "cache_info", "mixed_error", "MixedTensorError",
            "unwrap_call", "local_args", "cached_plan"]

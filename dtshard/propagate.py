@@ -26,15 +26,14 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
-from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 
 from dtshard import redistribute as R
 from dtshard._config import config  # noqa: F401  (dtshard.config; re-exported here for old imports)
+from dtshard.collectives import mesh_coordinate  # coordinate of this rank (cached)
 from dtshard.registry import OpCall, RuleEntry, get_entry
 from dtshard.spec import (DTensorSpec, TensorMeta, contiguous_strides, is_shard, is_strided, local_region,
                           local_shape, mesh_identity, placements_equal, placements_str, split_factor)
-from torch.distributed.tensor.placement_types import _StridedShard
-from dtshard.collectives import mesh_coordinate  # coordinate of this rank (cached)
 
 __all__ = ["Plan", "propagate", "NoRuleError", "RuleError", "config"]
 
