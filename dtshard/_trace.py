@@ -23,6 +23,27 @@ plan_observers: list[Callable[[str, object], None]] = []
 current_op: list[str] = ["<redistribute>"]
 
 
+class op_context:
+    """Attribute the collectives issued inside to ``op`` (an aten op, or a name such as
+    ``"<fsdp>"``): what ``CommCounter`` records as ``CommRecord.op``."""
+
+    _names: dict = {}
+
+    def __init__(self, op) -> None:
+        name = self._names.get(op)
+        if name is None:
+            name = self._names[op] = str(op)
+        self.name = name
+
+    def __enter__(self):
+        self.prev = current_op[0]
+        current_op[0] = self.name
+
+    def __exit__(self, *exc):
+        current_op[0] = self.prev
+        return False
+
+
 def note_copy(kind: str, nbytes: int) -> None:
     for observer in copy_observers:
         observer(kind, nbytes)

@@ -22,7 +22,7 @@ from dtshard.redistribute import redistribute_local
 from dtshard.spec import DTensorSpec, contiguous_strides, placements_str
 
 __all__ = ["dispatch", "dispatch_planned", "clear_cache", "cache_info", "mixed_error", "MixedTensorError",
-           "unwrap_call", "local_args", "cached_plan"]
+           "unwrap_call", "local_args", "cached_plan", "redistribute_input"]
 
 _cache: dict[tuple, Plan] = {}
 #: Plans kept at most. Keys include every scalar argument, so ops whose scalars change every step
@@ -34,6 +34,13 @@ CACHE_LIMIT = 20000
 def _evict_oldest() -> None:
     for key in list(itertools.islice(_cache, max(1, len(_cache) // 10))):
         del _cache[key]
+
+
+def _store(key: tuple, plan: Plan) -> None:
+    """Cache ``plan`` under ``key``, dropping the oldest tenth first when the cache is full."""
+    if len(_cache) >= CACHE_LIMIT:
+        _evict_oldest()
+    _cache[key] = plan
 _stats = {"hits": 0, "misses": 0}
 
 
@@ -112,7 +119,7 @@ def _plain_layouts(handler):
         def plain(a):
             if isinstance(a, DT) and a._spec.has_strided:
                 target = tuple(Shard(p.dim) if type(p) is _StridedShard else p for p in a._spec.placements)
-                b = DT(_redistribute_input(op, a, target), a._spec.with_placements(target), requires_grad=False)
+                b = DT(redistribute_input(op, a, target), a._spec.with_placements(target), requires_grad=False)
                 swapped.append((a, b))
                 return b
             if isinstance(a, (list, tuple)) and any(isinstance(x, DT) for x in a):
@@ -350,9 +357,7 @@ def cached_plan(key: tuple, compute):
         return compute()
     if plan is None:
         plan = compute()
-        if len(_cache) >= CACHE_LIMIT:
-            _evict_oldest()
-        _cache[key] = plan
+        _store(key, plan)
     return plan
 
 
@@ -435,7 +440,7 @@ def dispatch(op, args: tuple, kwargs: dict):
     if plan._redistributes:
         for k, t in enumerate(plan.input_targets):
             if t is not None:
-                largs[pos[k]] = _redistribute_input(op, dts[k], t)
+                largs[pos[k]] = redistribute_input(op, dts[k], t)
     for idx, shape in plan.shape_overrides:
         largs[idx] = shape
     out = plan.local_op(*largs, **kwargs)
@@ -500,13 +505,11 @@ def _observe(op, plan, specs) -> None:
         obs(str(op), plan, specs)
 
 
-def _redistribute_input(op, dt, target):
-    prev = _trace.current_op[0]
-    _trace.current_op[0] = str(op)  # CommCounter attributes the traffic to this op
-    try:
+def redistribute_input(op, dt, target):
+    """``dt``'s shard redistributed to ``target`` for ``op`` (below autograd; the traffic is
+    attributed to ``op``)."""
+    with _trace.op_context(op):  # CommCounter attributes the traffic to this op
         return redistribute_local(resolved_local(dt), dt._spec, target)
-    finally:
-        _trace.current_op[0] = prev
 
 
 def resolved_local(dt) -> torch.Tensor:
@@ -560,9 +563,7 @@ def dispatch_planned(op, args: tuple, kwargs: dict):
         _stats["misses"] += 1
         plan = propagate(op, args, kwargs, specs, margs, mkwargs)
         if tkey is not None:
-            if len(_cache) >= CACHE_LIMIT:
-                _evict_oldest()
-            _cache[tkey] = plan
+            _store(tkey, plan)
     else:
         _stats["hits"] += 1
     if _observers:
@@ -577,7 +578,7 @@ def dispatch_planned(op, args: tuple, kwargs: dict):
 
     # redistribute inputs (below autograd: the op's own backward formula handles gradients)
     locals_ = [
-        d._local_tensor if t is None else _redistribute_input(op, d, t)
+        d._local_tensor if t is None else redistribute_input(op, d, t)
         for d, t in zip(dts, plan.input_targets)
     ]
     largs = [_local(a, locals_) for a in margs]

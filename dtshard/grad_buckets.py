@@ -115,12 +115,8 @@ def _issue(bucket: _Bucket) -> None:
     locals_ = [g._local_tensor.reshape(-1) for _, g in bucket.items]
     bucket.flat = torch.cat(locals_) if len(locals_) > 1 else locals_[0].clone()
     bucket.versions = [g._version for _, g in bucket.items]
-    prev = _trace.current_op[0]
-    _trace.current_op[0] = "<grad bucket>"  # CommCounter attributes the traffic to the buckets
-    try:
+    with _trace.op_context("<grad bucket>"):  # CommCounter attributes the traffic to the buckets
         bucket.work = C.all_reduce_(bucket.flat, "sum", bucket.mesh, bucket.dims, async_op=True)
-    finally:
-        _trace.current_op[0] = prev
     _issued.append(bucket)
 
 

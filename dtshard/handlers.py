@@ -33,9 +33,10 @@ from typing import Sequence
 import torch
 from torch.distributed.tensor.placement_types import Placement
 
-from dtshard import _trace
-from dtshard import dispatch as _dispatch
-from dtshard.dispatch import MixedTensorError, resolved_local
+from dtshard._trace import op_context
+from dtshard.dispatch import MixedTensorError, mixed_error, redistribute_input, resolved_local
+# ``planned(op, args, kwargs)``: the rules' path for the call, every handler skipped
+from dtshard.dispatch import dispatch_planned as planned
 from dtshard.redistribute import redistribute_local
 from dtshard.spec import DTensorSpec, contiguous_strides
 from dtshard.tensor import DTensor
@@ -65,11 +66,6 @@ def make_spec(mesh, placements, shape, dtype) -> DTensorSpec:
     return DTensorSpec(mesh, tuple(placements), shape, contiguous_strides(shape), dtype)
 
 
-def mixed_error(op, t: torch.Tensor) -> MixedTensorError:
-    """The dispatcher's error for a plain (non-0-d) tensor ``t`` mixed with DTensors in ``op``."""
-    return _dispatch.mixed_error(op, t)
-
-
 def check_dtensors(op, tensors: Sequence) -> None:
     """Raise :func:`mixed_error` for the first plain tensor among ``tensors``."""
     for t in tensors:
@@ -86,33 +82,12 @@ def to_local(dt, target: Sequence[Placement], op=None) -> torch.Tensor:
         return dt._local_tensor
     if op is None:
         return redistribute_local(resolved_local(dt), dt._spec, target)
-    with op_context(op):
-        return redistribute_local(resolved_local(dt), dt._spec, target)
+    return redistribute_input(op, dt, target)
 
 
 def wrap(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
     """A DTensor of this rank's ``local`` shard laid out as ``spec`` (the handler's output)."""
     return DTensor(local, spec, requires_grad=False)
-
-
-class op_context:
-    """Attribute collectives issued inside a handler to ``op`` (CommCounter's per-op view)."""
-
-    _names: dict = {}
-
-    def __init__(self, op) -> None:
-        name = self._names.get(op)
-        if name is None:
-            name = self._names[op] = str(op)
-        self.name = name
-
-    def __enter__(self):
-        self.prev = _trace.current_op[0]
-        _trace.current_op[0] = self.name
-
-    def __exit__(self, *exc):
-        _trace.current_op[0] = self.prev
-        return False
 
 
 _meta_cache: dict = {}
@@ -149,9 +124,3 @@ def meta_run(op, *args, **kwargs):
         _meta_cache.clear()
     _meta_cache[key] = out
     return out
-
-
-def planned(op, args: tuple, kwargs: dict):
-    """Run ``op`` through the rules and the planner, skipping every handler (for the calls a
-    handler does not specialise)."""
-    return _dispatch.dispatch_planned(op, args, kwargs)

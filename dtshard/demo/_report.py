@@ -57,3 +57,16 @@ def _table(headers: list[str], rows: list[list[str]], align: str) -> str:
 
     sep = "|" + "|".join(("-" * (w + 1) + ":" if a == "r" else "-" * (w + 2)) for w, a in zip(widths, align)) + "|"
     return "\n".join([line(headers), sep] + [line(r) for r in rows])
+
+
+def _kinds_text(counts: dict) -> str:
+    """``{kind: n}`` as ``AR x2, A2A x1`` (kinds sorted, short names)."""
+    return ", ".join(f"{_KINDS.get(kind, kind)} x{n}" for kind, n in sorted(counts.items()))
+
+
+def _report_disagreement(ranks: list[dict], k: int) -> None:
+    """Print a failure line when the ranks' step-``k`` losses differ (each rank reports the
+    global loss, so they must be equal)."""
+    if len({r["rows"][k]["loss"] for r in ranks}) != 1:
+        print(f"FAIL: step {k + 1}: the ranks disagree on the loss: "
+              + ", ".join(f"rank {r['rank']}: {r['rows'][k]['loss']!r}" for r in ranks))

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from dtshard import Replicate, Shard, distribute_module, distribute_tensor, init_device_mesh
 from dtshard.debug import CommCounter
-from dtshard.demo._report import ATOL, RTOL, _KINDS, _max_dev, _params_summary, _table
+from dtshard.demo._report import ATOL, RTOL, _KINDS, _max_dev, _params_summary, _report_disagreement, _table
 import dtshard
 import dtshard.parallel
 
@@ -258,9 +258,7 @@ def report(cfg: Config, steps: int, ranks: list[dict], elapsed: float) -> bool:
                     print(f"FAIL: step {row['step']} rank {r['rank']}: loss |d|={row['loss_abs']:.3e}, "
                           f"weights |d|={row['w_abs']:.3e} (worst: {row['worst'] or '-'}), above "
                           f"{ATOL:g} + {RTOL:g}*|ref|")
-            if len({r["rows"][k]["loss"] for r in ranks}) != 1:
-                print(f"FAIL: step {k + 1}: the ranks disagree on the loss: "
-                      + ", ".join(f"rank {r['rank']}: {r['rows'][k]['loss']!r}" for r in ranks))
+            _report_disagreement(ranks, k)
         print(f"FAILED: dtshard deviates from the single-process model ({elapsed:.1f} s)")
     else:
         print(f"OK: {steps} steps on {world} ranks match the single-process model within "

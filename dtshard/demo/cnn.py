@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from dtshard import Replicate, Shard, distribute_tensor, init_device_mesh
 from dtshard.debug import CommCounter
-from dtshard.demo._report import _KINDS, _deviation, _table
+from dtshard.demo._report import _deviation, _kinds_text, _table
 from dtshard.models import train_unet, unet_params, unet_stats
 
 
@@ -51,7 +51,7 @@ def report_cnn(steps: int, world: int, ranks: list[dict], elapsed: float, height
         rs = [r["rows"][k] for r in ranks]
         dl, dw, good = _deviation(rs)
         ok = ok and good
-        kinds = ", ".join(f"{_KINDS.get(kd, kd)} x{n}" for kd, n in sorted(rs[0]["kinds"].items()))
+        kinds = _kinds_text(rs[0]["kinds"])
         rows.append([str(k + 1), f"{rs[0]['loss']:.7f}", f"{rs[0]['ref']:.7f}", f"{dl:.1e}", f"{dw:.1e}",
                      kinds, f"{rs[0]['bytes']:,}", "ok" if good else "MISMATCH"])
     print(_table(headers, rows, "rrrrrlrl"))

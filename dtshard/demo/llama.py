@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from dtshard import Shard, init_device_mesh
 from dtshard.debug import CommCounter
-from dtshard.demo._report import _KINDS, _max_dev, _table, dtshard_placements
+from dtshard.demo._report import _KINDS, _max_dev, _report_disagreement, _table, dtshard_placements
 from dtshard.fsdp import fully_shard
 from dtshard.models import LlamaConfig, Transformer, parallelize
 import dtshard
@@ -184,9 +184,7 @@ def report_llama(steps: int, ranks: list[dict], elapsed: float) -> bool:
                 if not _llama_step_ok([row]):
                     print(f"FAIL: step {row['step']} rank {r['rank']}: loss |d|={row['loss_abs']:.3e}, "
                           f"weights max|d W|/max|W|={row['w_scaled']:.3e} (worst: {row['worst'] or '-'})")
-            if len({r["rows"][k]["loss"] for r in ranks}) != 1:
-                print(f"FAIL: step {k + 1}: the ranks disagree on the loss: "
-                      + ", ".join(f"rank {r['rank']}: {r['rows'][k]['loss']!r}" for r in ranks))
+            _report_disagreement(ranks, k)
         print(f"FAILED: dtshard deviates from the single-process model ({elapsed:.1f} s)")
     else:
         print(f"OK: {steps} AdamW steps on {world} rank{'s' if world > 1 else ''} match the single-process "

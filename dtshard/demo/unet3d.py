@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from dtshard import Shard, distribute_module, distribute_tensor, init_device_mesh
 from dtshard.debug import CommCounter, peak_alloc_bytes
-from dtshard.demo._report import _KINDS, _deviation, _table
+from dtshard.demo._report import _deviation, _kinds_text, _table
 from dtshard.models import UNet3d
 
 
@@ -82,7 +82,7 @@ def report_unet3d(steps: int, world: int, ranks: list[dict], elapsed: float, siz
         rs = [r["rows"][k] for r in ranks]
         dl, dw, good = _deviation(rs)
         ok = ok and good
-        other = ", ".join(f"{_KINDS.get(kd, kd)} x{n}" for kd, n in sorted(rs[0]["other"].items()))
+        other = _kinds_text(rs[0]["other"])
         rows.append([str(k + 1), f"{rs[0]['loss']:.7f}", f"{rs[0]['ref']:.7f}", f"{dl:.1e}", f"{dw:.1e}",
                      str(rs[0]["halo"]), f"{max(r['halo_bytes'] for r in rs):,}", other,
                      f"{rs[0]['other_bytes']:,}", "ok" if good else "MISMATCH"])

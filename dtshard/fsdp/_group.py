@@ -36,16 +36,9 @@ from dtshard.spec import DTensorSpec, chunk_range, contiguous_strides, mesh_iden
 from dtshard.tensor import DTensor
 
 
-class _fsdp_op:
+def _fsdp_op() -> _trace.op_context:
     """Traffic issued inside is attributed to ``<fsdp>`` by ``CommCounter`` (``CommRecord.op``)."""
-
-    def __enter__(self):
-        self.prev = _trace.current_op[0]
-        _trace.current_op[0] = "<fsdp>"
-
-    def __exit__(self, *exc):
-        _trace.current_op[0] = self.prev
-        return False
+    return _trace.op_context("<fsdp>")
 
 
 class _Probe(torch.autograd.Function):
