@@ -53,27 +53,18 @@ class MixedTensorError(RuntimeError):
         self.tensor = tensor
 
 
-def _halo_extension() -> "hooks.LayoutExtension":
-    """The layout extension that owns ``spec.halo`` (``dtshard.spatial`` registers it at import:
-    a DTensor can only carry a halo once that package made one)."""
-    ext = hooks.layout_extensions.get("halo")
-    if ext is None:
-        raise RuntimeError("dtshard: a DTensor carries a halo but no layout extension handles halos: "
-                           "import dtshard.spatial")
-    return ext
-
-
-def _guarded(handler, keeps_strided: bool, keeps_halo: bool):
+def _guarded(handler, keeps_strided: bool, keeps_layout_data: bool):
     """``handler`` behind ONE pass over its arguments (this runs before every handler call):
     on a rank outside the arguments' mesh the op is a no-op (:func:`_non_member`); DTensors that
     hold strided shards reach it as plain ``Shard`` layouts (:func:`_plain_layouts`) unless it
-    ``keeps_strided``; DTensors that carry a halo (:mod:`dtshard.spatial`) reach it without,
-    unless it ``keeps_halo``.  Everything else calls it straight away."""
+    ``keeps_strided``; DTensors whose layout carries extension data (``spec.extra``) reach it
+    without (the data's layout extension strips it), unless it ``keeps_layout_data``.
+    Everything else calls it straight away."""
     plain = handler if keeps_strided else _plain_layouts(handler)
 
     def guarded(op, args, kwargs):
         DT = _DT
-        first, strided, halo = True, False, False
+        first, strided, extra = True, False, None
         for a in itertools.chain(args, kwargs.values()) if kwargs else args:
             if isinstance(a, DT):
                 s = a._spec
@@ -81,8 +72,8 @@ def _guarded(handler, keeps_strided: bool, keeps_halo: bool):
                     if not _member(s.mesh):
                         return dispatch_planned(op, args, kwargs)
                     first = False
-                if s.halo:
-                    halo = True
+                if s.extra is not None:
+                    extra = s.extra
                 elif s.has_strided:
                     strided = True
             elif type(a) is list or type(a) is tuple:
@@ -92,10 +83,11 @@ def _guarded(handler, keeps_strided: bool, keeps_halo: bool):
                             if not _member(x._spec.mesh):
                                 return dispatch_planned(op, args, kwargs)
                             first = False
-                        halo = halo or bool(x._spec.halo)
+                        if x._spec.extra is not None:
+                            extra = x._spec.extra
                         strided = strided or x._spec.has_strided
-        if halo and not keeps_halo:
-            return _halo_extension().strip(op, args, kwargs, plain)
+        if extra is not None and not keeps_layout_data:
+            return hooks.extension_of(extra).strip(op, args, kwargs, plain)
         if strided and not keeps_strided:
             return plain(op, args, kwargs)
         return handler(op, args, kwargs)
@@ -129,10 +121,10 @@ def _plain_layouts(handler):
         pargs = tuple(plain(a) for a in args)
         pkwargs = {k: plain(v) for k, v in kwargs.items()}
         out = handler(op, pargs, pkwargs)
-        written = {a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+        facts = registry.op_facts(op)
+        written = facts.written
         if written:
-            names = [a.name for a in op._schema.arguments]
-            bound = dict(zip(names, pargs))
+            bound = dict(zip(facts.names, pargs))
             bound.update(pkwargs)
             targets = {id(v) for n, v in bound.items() if n in written}
             for orig, copy in swapped:
@@ -160,13 +152,11 @@ def _non_member(op, margs, mkwargs, specs, args, kwargs):
     results are zero; in-place and ``out=`` ops return their (empty) targets."""
     from torch.distributed.tensor.placement_types import Replicate
 
-    mode = "functional"
-    if op._schema.is_mutable:
-        mode = "out" if any(a.is_out for a in op._schema.arguments) else "inplace"
-    if mode == "inplace":
+    facts = registry.op_facts(op)
+    if facts.mode == "inplace":
         return args[0]
-    if mode == "out":
-        res = tuple(kwargs[a.name] for a in op._schema.arguments if a.is_out)
+    if facts.mode == "out":
+        res = tuple(kwargs[n] for n in facts.out_names)
         return res[0] if len(res) == 1 else res
     if op is torch.ops.aten.equal.default:
         return True
@@ -237,7 +227,8 @@ def clear_cache(*, plans: bool = True) -> None:
 
 def _handler_entry(op, fn):
     """The dispatcher's table entry for ``op``'s handler ``fn`` (wrapped in its layout guards)."""
-    return _guarded(fn, op in registry.strided_handlers or op not in registry._entries, op in registry.halo_handlers)
+    return _guarded(fn, op in registry.strided_handlers or op not in registry._entries,
+                    op in registry.layout_data_handlers)
 
 
 def _reload_handlers() -> None:
@@ -367,7 +358,7 @@ _observers = _trace.plan_observers  # the same list object: one global lookup on
 
 def bind_tensor_class(cls, promote_plain, op_output) -> None:
     """The tensor class, its ``promote_plain`` (a plain tensor as a Replicate DTensor) and its
-    ``op_output`` (``cls(local, spec, requires_grad=False)`` for a spec without a halo, faster),
+    ``op_output`` (``cls(local, spec, requires_grad=False)`` for a spec without extension data, faster),
     bound by ``dtshard.tensor`` at its import: the dispatcher does not import the module above it."""
     global _DT, _promote_plain, _op_output
     _DT, _promote_plain, _op_output = cls, promote_plain, op_output
@@ -463,9 +454,9 @@ _DETACH = torch.ops.aten.detach.default
 
 def _detach(a):
     """``detach`` of a plain-layout DTensor: the same spec over the detached shard (what its plan,
-    the identity rule, gives), without the plan lookup; None: take the general path (a halo, or
-    inference mode, where :func:`_wrap_view` decides how the wrapper is made)."""
-    if type(a) is not _DT or a._spec.halo or torch.is_inference_mode_enabled():
+    the identity rule, gives), without the plan lookup; None: take the general path (layout
+    extension data, or inference mode, where :func:`_wrap_view` decides how the wrapper is made)."""
+    if type(a) is not _DT or a._spec.extra is not None or torch.is_inference_mode_enabled():
         return None
     out = _op_output(a._local_tensor.detach(), a._spec)
     if a._copied_view is not None:
@@ -550,8 +541,8 @@ def dispatch_planned(op, args: tuple, kwargs: dict):
         tkey, plan = None, None
     specs = [d._spec for d in dts]
     for s in specs:
-        if s.halo:  # a spatial shard with its neighbours' rows: its layout extension decides
-            return _halo_extension().dispatch(op, args, kwargs)
+        if s.extra is not None:  # a layout with extension data: its extension decides
+            return hooks.extension_of(s.extra).dispatch(op, args, kwargs)
     if plan is None and specs and not _member(specs[0].mesh):
         return _non_member(op, margs, mkwargs, specs, args, kwargs)
     if plan is None:
@@ -571,7 +562,7 @@ def dispatch_planned(op, args: tuple, kwargs: dict):
 
     if plan.mode != "functional":  # never write into a view that is a copy
         written = [args[0]] if plan.mode == "inplace" else [
-            kwargs.get(a.name) for a in op._schema.arguments if a.is_out]
+            kwargs.get(n) for n in registry.op_facts(op).out_names]
         for t in written:
             if isinstance(t, DT) and t._copied_view is not None:
                 raise _write_to_copied_view(op, t)
@@ -592,8 +583,7 @@ def dispatch_planned(op, args: tuple, kwargs: dict):
             _set_wrapper_metadata(op, args, kwargs, plan)
         return args[0]
     if plan.mode == "out":
-        out_names = [a.name for a in op._schema.arguments if a.is_out]
-        res = tuple(kwargs[n] for n in out_names)
+        res = tuple(kwargs[n] for n in registry.op_facts(op).out_names)
         return res[0] if len(res) == 1 else res
     if plan.is_view:
         return _wrap_view(op, plan, dts[0], out)

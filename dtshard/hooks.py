@@ -18,10 +18,14 @@ importing Dynamo eagerly would add about a second to ``import dtshard``):
 
 Layout extensions:
 
-- :func:`layout_extension`: a feature that adds per-tensor layout data to a spec (a halo's
-  widths, ``dtshard.spatial``) registers how ops on such DTensors run (``dispatch``) and how a
-  handler that does not read the data gets them without it (``strip``).  The dispatcher calls
-  them only for a DTensor that carries the data, so no other op pays for the feature.
+- :func:`layout_extension`: a feature that adds per-tensor layout data to a spec (its ``extra``:
+  a halo's widths, ``dtshard.spatial``) registers, for the data's type, how ops on such DTensors
+  run (``dispatch``), how a handler that does not read the data gets them without it (``strip``)
+  and how the tensor API (``to_local``, ``redistribute``, compile's tangents) drops it
+  (``drop``).  The core calls them only for a DTensor that carries such data, so no other op pays
+  for the feature.  The data describes the local tensor's contents; the tensor class stamps the
+  version counter it was made at in the tensor's ``__dict__`` under :data:`LAYOUT_VERSION`, so
+  the extension can tell when an in-place write made it stale.
 
 Gradient settlement:
 
@@ -38,8 +42,8 @@ from __future__ import annotations
 import sys
 from typing import Callable, NamedTuple
 
-__all__ = ["LayoutExtension", "grad_settler", "grad_settlers", "in_graph", "layout_extension", "layout_extensions",
-           "on_dynamo_import", "runtime_entry_points"]
+__all__ = ["LAYOUT_VERSION", "LayoutExtension", "extension_of", "grad_settler", "grad_settlers", "in_graph",
+           "layout_extension", "layout_extensions", "on_dynamo_import", "runtime_entry_points"]
 
 _in_graph: list = []
 _entry_points: list = []
@@ -86,15 +90,29 @@ class LayoutExtension(NamedTuple):
     dispatch: Callable
     #: ``strip(op, args, kwargs, handler)``: ``handler(op, args', kwargs')`` with the data removed
     strip: Callable
+    #: ``drop(dt)``: the same global tensor without the data (differentiable)
+    drop: Callable
 
 
-#: the registered layout extensions, by the name of the spec field that holds their data
-layout_extensions: dict[str, LayoutExtension] = {}
+#: the registered layout extensions, by the type of the data they put in a spec's ``extra``
+layout_extensions: dict[type, LayoutExtension] = {}
+
+#: the key, in a DTensor's ``__dict__``, of its version counter when its layout data was made
+LAYOUT_VERSION = "_dtshard_layout_v"
 
 
-def layout_extension(name: str, *, dispatch: Callable, strip: Callable) -> None:
-    """Register the layout extension whose data a spec holds in its field ``name``."""
-    layout_extensions[name] = LayoutExtension(dispatch, strip)
+def layout_extension(data_type: type, *, dispatch: Callable, strip: Callable, drop: Callable) -> None:
+    """Register the layout extension whose data (of ``data_type``) a spec holds in ``extra``."""
+    layout_extensions[data_type] = LayoutExtension(dispatch, strip, drop)
+
+
+def extension_of(extra: object) -> LayoutExtension:
+    """The layout extension that owns the spec data ``extra``."""
+    ext = layout_extensions.get(type(extra))
+    if ext is None:
+        raise RuntimeError(f"dtshard: a DTensor's layout carries {type(extra).__name__} data ({extra}) but no "
+                           "layout extension for it is registered: import the feature that made it")
+    return ext
 
 
 def grad_settler(fn: Callable) -> Callable:

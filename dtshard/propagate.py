@@ -31,7 +31,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, 
 from dtshard import redistribute as R
 from dtshard._config import config  # noqa: F401  (dtshard.config; re-exported here for old imports)
 from dtshard.collectives import mesh_coordinate  # coordinate of this rank (cached)
-from dtshard.registry import OpCall, RuleEntry, get_entry
+from dtshard.registry import OpCall, RuleEntry, get_entry, op_facts
 from dtshard.spec import (DTensorSpec, TensorMeta, contiguous_strides, is_shard, is_strided, local_region,
                           local_shape, mesh_identity, placements_equal, placements_str, split_factor)
 
@@ -87,15 +87,13 @@ class Plan:
         #: the output spec when the plan is the simplest kind: functional, one tensor output,
         #: no input moves, no shape arguments (the local result is wrapped as it is)
         self._simple_out = None
-        returns = getattr(getattr(self.op, "_schema", None), "returns", ())
+        facts = op_facts(self.op)
         #: a view op (its output aliases self): the dispatcher keeps track of views that are not
         #: views, because the plan had to move self (see dispatch._note_view)
-        alias = returns[0].alias_info if returns else None
-        self.is_view = self.mode == "functional" and alias is not None and not alias.is_write
+        self.is_view = self.mode == "functional" and facts.returns_view
         self.breaks_alias = self.is_view and bool(self.input_targets) and self.input_targets[0] is not None
         if (self.mode == "functional" and not self.is_view and not self._redistributes and not self.shape_overrides
-                and len(self.out_specs) == 1 and self.out_specs[0] is not None
-                and len(returns) == 1 and str(returns[0].type) == "Tensor"):
+                and len(self.out_specs) == 1 and self.out_specs[0] is not None and facts.one_tensor_out):
             self._simple_out = self.out_specs[0]
 
     def describe(self, in_specs: Sequence[DTensorSpec]) -> str:
@@ -159,7 +157,7 @@ def lookup(op) -> tuple[RuleEntry | None, str]:
     non-Partial tensor) is planned from its functional op's rule."""
     entry = get_entry(op)
     if entry is not None and entry.kind == "rule":
-        return entry, "functional" if not op._schema.is_mutable else _functional_of(op)[1]
+        return entry, "functional" if op_facts(op).mode == "functional" else _functional_of(op)[1]
     base, mode = _functional_of(op)
     if base is not op:
         entry = get_entry(base)
@@ -354,7 +352,7 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
     shape_args = entry.shape_args if entry is not None else {}
     # .out overloads: the out= DTensors are not inputs of the functional rule; they must already
     # have the placements the chosen strategy gives its outputs.
-    out_names = {a.name for a in op._schema.arguments if a.is_out} if mode == "out" else set()
+    out_names = op_facts(op).out_names if mode == "out" else ()
     out_slots = {v.k for name, v in meta_kwargs.items() if name in out_names and isinstance(v, _Slot)}
     in_ids = [k for k in range(len(specs)) if k not in out_slots]
     # 2. strategies
@@ -647,7 +645,7 @@ def _run_zero_elements(op, run, meta_args, meta_kwargs, in_shapes, dtypes, overr
     if getattr(op, "namespace", None) != "aten":
         return
     device = torch.device(mesh.device_type)
-    written = _written_args(op)
+    written = op_facts(op).written
 
     def conv(a, name):
         if isinstance(a, _Slot):
@@ -661,7 +659,7 @@ def _run_zero_elements(op, run, meta_args, meta_kwargs, in_shapes, dtypes, overr
             return type(a)(conv(b, name) for b in a)
         return a
 
-    names = [a.name for a in op._schema.arguments if not a.kwarg_only]
+    names = op_facts(op).positional
     try:
         largs = [conv(a, names[i] if i < len(names) else None) for i, a in enumerate(meta_args)]
         lkwargs = {k: conv(v, k) for k, v in meta_kwargs.items()}
@@ -676,12 +674,6 @@ def _run_zero_elements(op, run, meta_args, meta_kwargs, in_shapes, dtypes, overr
 
 class _SkipRun(Exception):
     """A tensor too large for a check run."""
-
-
-@functools.lru_cache(maxsize=None)
-def _written_args(op) -> frozenset:
-    """Names of the arguments ``op`` writes to (self of an in-place op, out= tensors)."""
-    return frozenset(a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write)
 
 
 # ---------------------------------------------------------------------------------------------

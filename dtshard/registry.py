@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 from torch.distributed.tensor.placement_types import Placement
@@ -34,6 +34,8 @@ from dtshard.spec import TensorMeta
 
 __all__ = [
     "OpCall",
+    "OpFacts",
+    "op_facts",
     "RuleEntry",
     "Strategy",
     "register_rule",
@@ -69,6 +71,53 @@ class OpCall:
         return self.kwargs.get(name, default)
 
 
+class OpFacts(NamedTuple):
+    """What an op's schema says, computed once per op (:func:`op_facts`)."""
+
+    #: every argument's name, in schema order
+    names: tuple[str, ...]
+    #: the names of the arguments that may be passed by position
+    positional: tuple[str, ...]
+    #: the names of the arguments the op writes (self of an in-place op, ``out=`` tensors)
+    written: frozenset
+    #: the positions (in :attr:`names`) of those arguments
+    written_positions: tuple[int, ...]
+    #: the ``out=`` arguments' names, in schema order
+    out_names: tuple[str, ...]
+    #: "functional", "inplace" (writes an argument, no ``out=``) or "out"
+    mode: str
+    #: the first output aliases an input without writing it (``view``, ``t``, ``expand``, ...)
+    returns_view: bool
+    #: the op returns exactly one Tensor
+    one_tensor_out: bool
+
+
+_facts: dict = {}
+
+
+def op_facts(op: torch._ops.OpOverload) -> OpFacts:
+    """The schema facts of ``op`` (memoised: read once per op, not per call)."""
+    hit = _facts.get(op)
+    if hit is None:
+        schema = op._schema
+        args, returns = schema.arguments, schema.returns
+        written = [k for k, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write]
+        out_names = tuple(a.name for a in args if a.is_out)
+        mode = "functional" if not schema.is_mutable else "out" if out_names else "inplace"
+        alias = returns[0].alias_info if returns else None
+        hit = _facts[op] = OpFacts(
+            names=tuple(a.name for a in args),
+            positional=tuple(a.name for a in args if not a.kwarg_only),
+            written=frozenset(args[k].name for k in written),
+            written_positions=tuple(written),
+            out_names=out_names,
+            mode=mode,
+            returns_view=alias is not None and not alias.is_write,
+            one_tensor_out=len(returns) == 1 and str(returns[0].type) == "Tensor",
+        )
+    return hit
+
+
 @dataclass
 class RuleEntry:
     op: torch._ops.OpOverload
@@ -85,9 +134,10 @@ class RuleEntry:
     #: DTensor ops or in a layout-free way.  Any other handler gets its DTensor arguments with
     #: strided shards converted to plain ``Shard`` first (dispatch._plain_layouts).
     keeps_strided: bool = False
-    #: a handler that takes DTensors carrying a halo (:mod:`dtshard.spatial`) as they are; any
-    #: other handler gets them without (the dispatcher drops the halo first)
-    keeps_halo: bool = False
+    #: a handler that takes DTensors carrying layout-extension data (``spec.extra``, e.g. what
+    #: :mod:`dtshard.spatial` attaches) as they are; any other handler gets them without (the
+    #: dispatcher has the data's extension strip it first)
+    keeps_layout_data: bool = False
     #: False: the rule and its ``meta`` read only the TYPES of the op's number arguments (int,
     #: float, bool, complex), never their values, so the dispatcher keys its plan cache on the
     #: types (see :func:`register_rule`)
@@ -99,8 +149,8 @@ _entries: dict[torch._ops.OpOverload, RuleEntry] = {}
 handlers: dict[torch._ops.OpOverload, Callable] = {}
 #: the handlers registered with ``keeps_strided=True``
 strided_handlers: set = set()
-#: the handlers registered with ``keeps_halo=True``
-halo_handlers: set = set()
+#: the handlers registered with ``keeps_layout_data=True``
+layout_data_handlers: set = set()
 # Called after every registration change (the dispatcher clears its plan cache).
 _on_change: list[Callable[[], None]] = []
 
@@ -129,8 +179,8 @@ def _changed(*, plans: bool = True, only=None) -> None:
     handlers.update({op: e.fn for op, e in _entries.items() if e.kind == "handler"})
     strided_handlers.clear()
     strided_handlers.update(op for op, e in _entries.items() if e.kind == "handler" and e.keeps_strided)
-    halo_handlers.clear()
-    halo_handlers.update(op for op, e in _entries.items() if e.kind == "handler" and e.keeps_halo)
+    layout_data_handlers.clear()
+    layout_data_handlers.update(op for op, e in _entries.items() if e.kind == "handler" and e.keeps_layout_data)
     for scope in _scoped:
         handlers.update(scope)
     for fn in _on_change:
@@ -142,7 +192,7 @@ def _where(fn: Callable) -> str:
     return f"{code.co_filename}:{code.co_firstlineno}" if code else repr(fn)
 
 
-def _register(ops, fn, kind, shape_args=None, local=None, meta=None, keeps_strided=False, keeps_halo=False,
+def _register(ops, fn, kind, shape_args=None, local=None, meta=None, keeps_strided=False, keeps_layout_data=False,
               scalar_values=True) -> None:
     if isinstance(ops, torch._ops.OpOverload):
         ops = [ops]
@@ -158,7 +208,7 @@ def _register(ops, fn, kind, shape_args=None, local=None, meta=None, keeps_strid
                 f"Edit that one, or use dtshard.registry.override() in tests."
             )
         _entries[op] = RuleEntry(op, fn, kind, dict(shape_args or {}), _where(fn), local, meta, keeps_strided,
-                                 keeps_halo, scalar_values)
+                                 keeps_layout_data, scalar_values)
     _changed()
 
 
@@ -197,18 +247,19 @@ def register_rule(
     return deco
 
 
-def register_handler(ops, *, keeps_strided: bool = False, keeps_halo: bool = False) -> Callable:
+def register_handler(ops, *, keeps_strided: bool = False, keeps_layout_data: bool = False) -> Callable:
     """Decorator: ``fn(op, args, kwargs)`` runs the op on DTensor args itself (for ops whose math
     needs more than a placement choice). It may call other ops on DTensors and redistribute.
 
     A handler sees plain layouts only: DTensor arguments holding strided shards are converted to
     ``Shard`` before it runs (and written arguments converted back after), unless
     ``keeps_strided=True`` says it handles them (it uses only DTensor ops, or never looks at
-    shard positions).  Likewise DTensors that carry a halo (:mod:`dtshard.spatial`) reach it
-    without, unless ``keeps_halo=True`` (it reads ``spec.halo`` and computes on the halo rows)."""
+    shard positions).  Likewise DTensors whose layout carries extension data (``spec.extra``,
+    e.g. the neighbours' rows of :mod:`dtshard.spatial`) reach it without, unless
+    ``keeps_layout_data=True`` (it reads the data itself)."""
 
     def deco(fn):
-        _register(ops, fn, "handler", keeps_strided=keeps_strided, keeps_halo=keeps_halo)
+        _register(ops, fn, "handler", keeps_strided=keeps_strided, keeps_layout_data=keeps_layout_data)
         return fn
 
     return deco

@@ -23,7 +23,6 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 __all__ = [
     "DTensorSpec",
-    "Halo",
     "TensorMeta",
     "Region",
     "chunk_range",
@@ -330,33 +329,18 @@ class TensorMeta:
         return n
 
 
-@dataclass(frozen=True)
-class Halo:
-    """Rows of its neighbours that a spatial shard carries on one tensor dim (see
-    :mod:`dtshard.spatial`): ``lo`` rows before its owned chunk and ``hi`` after, as far as the
-    global tensor reaches (a rank at a global edge holds fewer: ``max(0, c - lo)`` to
-    ``min(N, e + hi)`` for an owned chunk ``[c, e)``).  ``dim`` is sharded by ``Shard(dim)`` on
-    ``mesh_dim`` and by no other mesh dim."""
-
-    dim: int
-    mesh_dim: int
-    lo: int
-    hi: int
-
-
 @dataclass(frozen=True, eq=False)
 class DTensorSpec:
     """Immutable description of a distributed tensor's layout.
 
-    Hash and equality cover (mesh, placements, shape, stride, dtype, halo); the hash is computed
+    Hash and equality cover (mesh, placements, shape, stride, dtype, extra); the hash is computed
     once, since specs are dispatch-cache keys on the hot path.
 
-    ``halo`` (empty for almost every tensor): the spatial dims whose local tensor carries rows of
-    the neighbouring shards (:class:`Halo`, in mesh-dim order); the local tensor is then the
-    owned shard widened by them.  ``halo_partial``: those rows (and the owned ones) hold this
-    rank's CONTRIBUTION to a sum over ranks (a gradient of a tensor that carried a halo), not
-    copies.  Only :mod:`dtshard.spatial` and the ops it names read the halo; every other op sees
-    the shard without it (:func:`dtshard.spatial.plain_local`).
+    ``extra`` (None for almost every tensor): data that a layout extension attaches to the layout
+    (``dtshard.hooks.layout_extension``, keyed by the data's type), e.g. the neighbours' rows a
+    spatial shard carries.  It must be immutable and hashable.  The core never reads it: it only
+    sends ops on DTensors whose spec has it to the extension that owns its type, and keeps it out
+    of what it does itself (``plain``, ``with_placements``).
     """
 
     mesh: "torch.distributed.device_mesh.DeviceMesh"
@@ -364,8 +348,7 @@ class DTensorSpec:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
-    halo: tuple[Halo, ...] = ()
-    halo_partial: bool = False
+    extra: object = None
 
     def _key(self) -> tuple:
         """What equality compares, as one tuple of plain values (the mesh by identity, each
@@ -376,7 +359,7 @@ class DTensorSpec:
         k = self.__dict__.get("_eqkey")
         if k is None:
             k = (mesh_identity(self.mesh), tuple(placement_key(p) for p in self.placements), self.shape,
-                 self.stride, self.dtype, self.halo, self.halo_partial)
+                 self.stride, self.dtype, self.extra)
             object.__setattr__(self, "_eqkey", k)
         return k
 
@@ -423,22 +406,21 @@ class DTensorSpec:
         return self.numel() * _itemsize(self.dtype)
 
     def with_placements(self, placements: Sequence[Placement]) -> "DTensorSpec":
-        """The same tensor with other placements (and no halo)."""
+        """The same tensor with other placements (and no layout-extension data)."""
         return DTensorSpec(self.mesh, tuple(placements), self.shape, self.stride, self.dtype)
 
     @property
     def plain(self) -> "DTensorSpec":
-        """This spec without its halo (itself when it has none)."""
-        if not self.halo:
+        """This spec without its layout-extension data (itself when it has none)."""
+        if self.extra is None:
             return self
         return DTensorSpec(self.mesh, self.placements, self.shape, self.stride, self.dtype)
 
-    def with_halo(self, halo: Sequence["Halo"], partial: bool = False) -> "DTensorSpec":
-        """This spec with ``halo`` (widths of 0 dropped; none left: the plain spec)."""
-        halo = tuple(h for h in halo if h.lo or h.hi)
-        if not halo:
+    def with_extra(self, extra: object) -> "DTensorSpec":
+        """This spec carrying the layout-extension data ``extra`` (None: the plain spec)."""
+        if extra is None:
             return self.plain
-        return DTensorSpec(self.mesh, self.placements, self.shape, self.stride, self.dtype, halo, partial)
+        return DTensorSpec(self.mesh, self.placements, self.shape, self.stride, self.dtype, extra)
 
     def local_shape(self, coordinate: Sequence[int]) -> tuple[int, ...]:
         return local_shape(self.shape, self.mesh_shape, self.placements, coordinate)
@@ -474,13 +456,10 @@ class DTensorSpec:
         return [i for i, p in enumerate(self.placements) if is_shard(p) and p.dim == tensor_dim]
 
     def __repr__(self) -> str:
-        halo = ""
-        if self.halo:
-            halo = ", halo=" + ",".join(f"dim{h.dim}({h.lo},{h.hi})" for h in self.halo) + \
-                (" partial" if self.halo_partial else "")
+        extra = "" if self.extra is None else f", {self.extra}"
         return (
             f"DTensorSpec(shape={tuple(self.shape)}, placements={placements_str(self.placements)}, "
-            f"mesh={tuple(self.mesh_shape)}, dtype={self.dtype}{halo})"
+            f"mesh={tuple(self.mesh_shape)}, dtype={self.dtype}{extra})"
         )
 
 

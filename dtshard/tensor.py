@@ -87,7 +87,7 @@ def _in_leaf_layout(spec: DTensorSpec, grad: "DTensor"):
     AccumulateGrad adds this one in place, so the copy was not needed: one local copy more, never
     a different value (the hook cannot look at the leaf: it holds no reference to it)."""
     gs = grad._spec
-    if torch.is_grad_enabled() or gs.halo or spec.halo or gs.shape != spec.shape or gs.dtype != spec.dtype \
+    if torch.is_grad_enabled() or gs.extra is not None or spec.extra is not None or gs.shape != spec.shape or gs.dtype != spec.dtype \
             or not placements_equal(gs.placements, spec.placements) or spec.stride != contiguous_strides(spec.shape):
         return None
     # the same layout as the leaf but for the strides: the leaf's own (contiguous) spec
@@ -154,9 +154,10 @@ def _grad_placements(ps: Sequence[Placement]) -> tuple[Placement, ...]:
     return tuple(Replicate() if isinstance(p, Partial) else p for p in ps)
 
 
-def _drop_halo(t: "DTensor") -> "DTensor":
-    """``t`` without the halo it carries (differentiable: a view op, which drops it)."""
-    return t.view_as(t)
+def _drop_extra(t: "DTensor") -> "DTensor":
+    """``t`` without the layout-extension data its spec carries (differentiable), by the
+    extension that owns the data."""
+    return hooks.extension_of(t._spec.extra).drop(t)
 
 
 class DTensor(torch.Tensor):
@@ -183,8 +184,8 @@ class DTensor(torch.Tensor):
         )
         r._local_tensor = local_tensor
         r._spec = spec
-        if spec.halo:  # the halo rows are valid for this version (dtshard.spatial.halo_layout.fresh)
-            r.__dict__["_dtshard_halo_v"] = r._version
+        if spec.extra is not None:  # the layout data describes this version of the shard
+            r.__dict__[hooks.LAYOUT_VERSION] = r._version
         # the lazy conjugate / negative bits live on the tensor, not in the storage: the wrapper
         # carries its shard's (as PyTorch's DTensor does), so PyTorch's Conjugate and Negative
         # fallbacks see them (they run before __torch_dispatch__: conj().mul(...) is resolved first)
@@ -221,7 +222,7 @@ class DTensor(torch.Tensor):
         return (
             f"dtshard.DTensor(local={self._local_tensor}, shape={tuple(self._spec.shape)}, "
             f"placements={placements_str(self._spec.placements)}, mesh={tuple(self._spec.mesh.shape)}"
-            + (f", halo={self._spec.halo}{' partial' if self._spec.halo_partial else ''})" if self._spec.halo else ")")
+            + (f", {self._spec.extra})" if self._spec.extra is not None else ")")
         )
 
     @classmethod
@@ -237,7 +238,7 @@ class DTensor(torch.Tensor):
         local = inner_tensors["_local_tensor"]
         if tuple(outer_size) != spec.shape or tuple(outer_stride) != spec.stride:
             spec = DTensorSpec(spec.mesh, spec.placements, tuple(outer_size), tuple(outer_stride), spec.dtype,
-                               spec.halo, spec.halo_partial)
+                               spec.extra)
         return DTensor(local, spec, requires_grad=local.requires_grad)
 
     def __coerce_same_metadata_as_tangent__(self, flatten_spec, expected_type=None):
@@ -246,16 +247,17 @@ class DTensor(torch.Tensor):
         if expected_type is not None and expected_type is not DTensor:
             return None
         spec = flatten_spec
-        if self._spec.halo and not spec.halo:
-            return _drop_halo(self).__coerce_same_metadata_as_tangent__(flatten_spec, expected_type)
-        if spec.placements == self._spec.placements and spec.halo == self._spec.halo:
+        if self._spec.extra is not None and spec.extra is None:
+            return _drop_extra(self).__coerce_same_metadata_as_tangent__(flatten_spec, expected_type)
+        if spec.placements == self._spec.placements and spec.extra == self._spec.extra:
             return self
         return self.redistribute(self._spec.mesh, spec.placements)
 
     def __coerce_tangent_metadata__(self):
-        # Tangents for AOTAutograd must not be Partial: reduce them to Replicate; nor carry a halo
-        if self._spec.halo:
-            return _drop_halo(self).__coerce_tangent_metadata__()
+        # Tangents for AOTAutograd must not be Partial: reduce them to Replicate; nor carry
+        # layout-extension data
+        if self._spec.extra is not None:
+            return _drop_extra(self).__coerce_tangent_metadata__()
         if not any(isinstance(p, Partial) for p in self._spec.placements):
             return self
         return self.redistribute(self._spec.mesh, _grad_placements(self._spec.placements))
@@ -331,8 +333,8 @@ class DTensor(torch.Tensor):
     def to_local(self, *, grad_placements: Optional[Sequence[Placement]] = None) -> torch.Tensor:
         """This rank's shard as a plain tensor (differentiable: the gradient is taken to have
         ``grad_placements``, by default this tensor's placements)."""
-        if self._spec.halo:  # the owned shard, without the halo rows
-            return _drop_halo(self).to_local(grad_placements=grad_placements)
+        if self._spec.extra is not None:  # the shard the placements say, without extension data
+            return _drop_extra(self).to_local(grad_placements=grad_placements)
         if not (self.requires_grad and torch.is_grad_enabled()):
             return self._local_tensor
         return _ToLocal.apply(self, tuple(grad_placements) if grad_placements is not None else None)
@@ -355,8 +357,8 @@ class DTensor(torch.Tensor):
         ``True``: the last collective of the transition may still be in flight when this returns
         (the local shard is PyTorch's ``AsyncCollectiveTensor``, waited on first use), so work
         in between overlaps it, as with PyTorch's DTensor."""
-        if self._spec.halo:  # moving data: without the halo rows
-            return _drop_halo(self).redistribute(device_mesh, placements, async_op=async_op,
+        if self._spec.extra is not None:  # moving data: without extension data
+            return _drop_extra(self).redistribute(device_mesh, placements, async_op=async_op,
                                                   forward_dtype=forward_dtype, backward_dtype=backward_dtype)
         mesh = self._spec.mesh
         # under torch.compile the mesh argument is an opaque proxy: the tensor's own mesh rules
@@ -546,9 +548,10 @@ _make_wrapper = torch.Tensor._make_wrapper_subclass
 
 
 def _op_output(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
-    """``DTensor(local, spec, requires_grad=False)`` for a spec without a halo: the dispatcher's
-    wrap of an op's output (its hot path), without the constructor's call overhead and the
-    halo and leaf branches, which never apply there; the conjugate / negative bits still do."""
+    """``DTensor(local, spec, requires_grad=False)`` for a spec without layout-extension data:
+    the dispatcher's wrap of an op's output (its hot path), without the constructor's call
+    overhead and its extension-data and leaf branches, which never apply there; the conjugate /
+    negative bits still do."""
     r = _make_wrapper(DTensor, spec.shape, strides=spec.stride, dtype=spec.dtype, device=local.device,
                       layout=local.layout, requires_grad=False)
     r._local_tensor = local

@@ -18,7 +18,7 @@ takes them without a copy).
 The fast path runs only where it is the same computation: the module's forward is
 ``nn.Linear.forward``; weight and bias are DTensors on the style's mesh with the style's
 placements (so FSDP's unsharded 2-D parameters, or parameters a user moved, take the general
-path); the input is a plain tensor or a DTensor on that mesh (no Partial, strided shard or halo);
+path); the input is a plain tensor or a DTensor on that mesh (no Partial, strided shard or layout-extension data);
 dtypes and devices agree; no ``torch.compile`` trace, dispatch or function mode, autocast, or
 debug plan observer (``dtshard.debug``'s views see the general path's per-op plans) is active.
 Anything else runs the general path: the style's input preparation, ``nn.Linear.forward`` on
@@ -189,7 +189,7 @@ class TPLinearCall:
             return None
         tx = type(x)
         if tx is DTensor:
-            if x._spec.halo or type(x._local_tensor) is not torch.Tensor:
+            if x._spec.extra is not None or type(x._local_tensor) is not torch.Tensor:
                 return None
             key = (x._spec, w._spec, b._spec if b is not None else None)
         elif tx is torch.Tensor:
@@ -209,11 +209,11 @@ class TPLinearCall:
         """The plan of one layout, or None when the fast path does not apply to it."""
         mesh, style = self.mesh, self.style
         ws = w._spec
-        if ws.halo or ws.mesh is not mesh and mesh_identity(ws.mesh) != mesh_identity(mesh):
+        if ws.extra is not None or ws.mesh is not mesh and mesh_identity(ws.mesh) != mesh_identity(mesh):
             return None
         if ws.placements != self.w_placements or not C.is_member(mesh):
             return None
-        if b is not None and (b._spec.placements != self.b_placements or b._spec.halo
+        if b is not None and (b._spec.placements != self.b_placements or b._spec.extra is not None
                               or mesh_identity(b._spec.mesh) != mesh_identity(mesh) or b.dtype != w.dtype):
             return None
         if x.dtype != w.dtype or x.dim() < 2 or len(ws.shape) != 2:

@@ -21,7 +21,7 @@ import torch
 
 from torch.distributed.tensor.placement_types import Replicate
 
-from dtshard.registry import register_handler
+from dtshard.registry import op_facts, register_handler
 from dtshard.tensor import DTensor
 from dtshard.spec import mesh_identity
 
@@ -117,7 +117,7 @@ def _foreach_ops() -> list:
         op = getattr(packet, schema.overload_name or "default", None) if packet is not None else None
         if op is None or op in ops:
             continue
-        if any(a.is_out for a in op._schema.arguments):
+        if op_facts(op).mode == "out":
             continue  # .out overloads: not used by torch.optim
         if schema.name[len("aten::_foreach_"):] in ("mm",):
             continue
@@ -190,8 +190,7 @@ def _fused_adam_handler(op, args, kwargs):
     """``_fused_adam(w)_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *,
     lr, beta1, beta2, weight_decay, eps, amsgrad, maximize, grad_scale, found_inf)``: the step
     counters are plain tensors already incremented by the optimizer (as for the fused kernel)."""
-    names = [a.name for a in op._schema.arguments]
-    bound = dict(zip(names, args))
+    bound = dict(zip(op_facts(op).names, args))
     bound.update(kwargs)
     params, grads = bound["self"], bound["grads"]
     exp_avgs, exp_avg_sqs = bound["exp_avgs"], bound["exp_avg_sqs"]

@@ -118,6 +118,7 @@ from dtshard.spec import placements_str
 from dtshard.redistribute import redistribute_local
 from dtshard.spatial.conv_halo import SITE
 from dtshard.spatial import halo_layout as SL
+from dtshard.spatial.halo_layout import halo_partial, halos, with_halo
 
 
 def _keep_shards(x, allowed) -> list:
@@ -211,15 +212,15 @@ def _gn_halo(x, x_t, weight, bias) -> bool:
     """Does this group norm compute on ``x``'s halo?  When the halo is replicated, on spatial
     dims, and nothing moves (see :mod:`dtshard.spatial`): the statistics then come from the
     owned rows only and the extended rows are normalised with them."""
-    return (bool(x._spec.halo) and not x._spec.halo_partial and tuple(x_t) == tuple(x.placements)
-            and all(h.dim >= 2 for h in x._spec.halo)
-            and all(t is None or not t._spec.halo for t in (weight, bias)))
+    return (bool(halos(x._spec)) and not halo_partial(x._spec) and tuple(x_t) == tuple(x.placements)
+            and all(h.dim >= 2 for h in halos(x._spec))
+            and all(t is None or not halos(t._spec) for t in (weight, bias)))
 
 
 def _with_halo_of(local, spec, x):
     """``local`` wrapped with ``spec`` plus ``x``'s halo (and the record of where it came from:
     spatial.conv_halo.SITE)."""
-    res = wrap(local, spec.with_halo(x._spec.halo))
+    res = wrap(local, with_halo(spec, halos(x._spec)))
     site = x.__dict__.get(SITE)
     if site is not None:
         res.__dict__[SITE] = site
@@ -231,7 +232,7 @@ def _owned(t, spec, coord):
     return SL.narrow_local(t, spec, (), coord)
 
 
-@register_handler(aten.native_group_norm.default, keeps_halo=True)
+@register_handler(aten.native_group_norm.default, keeps_layout_data=True)
 def group_norm_handler(op, args, kwargs):
     x, weight, bias, n, c, hxw, group, eps = bind(op, args, kwargs)
     check_dtensors(op, [t for t in (x, weight, bias) if t is not None])
@@ -244,7 +245,7 @@ def group_norm_handler(op, args, kwargs):
     mesh = x.device_mesh
     x_t, stat_t, chan_t, sums, _ = _gn_layout(x._spec, group)
     keep = _gn_halo(x, x_t, weight, bias)
-    if x._spec.halo and not keep:
+    if halos(x._spec) and not keep:
         x = SL.strip(x)
     d = c // group
     count = d * hxw
@@ -283,7 +284,7 @@ def _spatial_numel(t: torch.Tensor) -> int:
     return n
 
 
-@register_handler(aten.native_group_norm_backward.default, keeps_halo=True)
+@register_handler(aten.native_group_norm_backward.default, keeps_layout_data=True)
 def group_norm_backward_handler(op, args, kwargs):
     """Backward of :func:`group_norm_handler`.  With a halo (the forward normalised extended
     rows): the output gradient ``g`` is a partial halo (or a plain shard), ``x`` carries at least
@@ -301,22 +302,22 @@ def group_norm_backward_handler(op, args, kwargs):
     mesh = x.device_mesh
     x_t, stat_t, chan_t, sums, grads = _gn_layout(x._spec, group)
     coord = C.mesh_coordinate(mesh)
-    if g._spec.halo and not g._spec.halo_partial:
+    if halos(g._spec) and not halo_partial(g._spec):
         g = SL.strip(g)
     # the rows g carries: x must carry them too (it does when the forward kept its halo)
-    keep = bool(g._spec.halo) and _gn_halo(x, x_t, None, None) and tuple(g.placements) == tuple(x_t) and all(
-        SL.halo_widths(x._spec, h.dim)[0] >= h.lo and SL.halo_widths(x._spec, h.dim)[1] >= h.hi for h in g._spec.halo)
-    if g._spec.halo and not keep:
+    keep = bool(halos(g._spec)) and _gn_halo(x, x_t, None, None) and tuple(g.placements) == tuple(x_t) and all(
+        SL.halo_widths(x._spec, h.dim)[0] >= h.lo and SL.halo_widths(x._spec, h.dim)[1] >= h.hi for h in halos(g._spec))
+    if halos(g._spec) and not keep:
         SL.demote_(g)
     d = c // group
     count = d * hxw
     gi = gw = gb = None
     with torch.no_grad(), op_context(op):
         if keep:
-            xl = SL.narrow_local(x._local_tensor, x._spec, g._spec.halo, coord)
+            xl = SL.narrow_local(x._local_tensor, x._spec, halos(g._spec), coord)
             gl = g._local_tensor
         else:
-            if x._spec.halo:
+            if halos(x._spec):
                 x = SL.strip(x)
             xl, gl = to_local(x, x_t), to_local(g, x_t)
         nl, cl = xl.shape[0], xl.shape[1]
@@ -342,7 +343,7 @@ def group_norm_backward_handler(op, args, kwargs):
                     return t.reshape(nl, gloc).repeat_interleave(d, 1).reshape((nl, cl) + (1,) * (xl.dim() - 2))
 
                 own -= per_channel(rstdl) * (per_channel(s[..., 0]) + xh * per_channel(s[..., 1]))
-                gi_spec = gi_spec.with_halo(g._spec.halo, partial=True)
+                gi_spec = with_halo(gi_spec, halos(g._spec), partial=True)
             else:
                 gi = (rstdl * (gwt - s[..., 0, None, None] - xhat * s[..., 1, None, None])).reshape(xl.shape)
             gi = wrap(gi.to(g_in.dtype), gi_spec)
@@ -416,7 +417,7 @@ def _write_back(dts, locals_):
 def _bn_halo(x) -> bool:
     """Does batch norm in training compute on ``x``'s halo (replicated, on spatial dims, the
     channels not sharded)?  Statistics from the owned rows, every carried row normalised."""
-    return (bool(x._spec.halo) and not x._spec.halo_partial and all(h.dim >= 2 for h in x._spec.halo)
+    return (bool(halos(x._spec)) and not halo_partial(x._spec) and all(h.dim >= 2 for h in halos(x._spec))
             and not any(isinstance(p, Partial) or (isinstance(p, Shard) and p.dim == 1) for p in x.placements))
 
 
@@ -462,7 +463,7 @@ def _bn_halo_backward(g, x, w, smean, sinv, mask):
     rep = [Replicate()] * mesh.ndim
     c = x.shape[1]
     n = x.numel() // c
-    xl = SL.narrow_local(x._local_tensor, x._spec, g._spec.halo, coord)
+    xl = SL.narrow_local(x._local_tensor, x._spec, halos(g._spec), coord)
     gl = _gn_acc(g._local_tensor)
     dims = _bn_dims(xl)
     shape = [1, c] + [1] * (xl.dim() - 2)
@@ -478,7 +479,7 @@ def _bn_halo_backward(g, x, w, smean, sinv, mask):
         gi = gl * scale
         own = _owned(gi, g._spec, coord)
         own -= scale * (s[0].view(shape) + _owned(xhat, g._spec, coord) * s[1].view(shape))
-        gi = wrap(gi.to(g.dtype), make_spec(mesh, x.placements, x.shape, g.dtype).with_halo(g._spec.halo, partial=True))
+        gi = wrap(gi.to(g.dtype), with_halo(make_spec(mesh, x.placements, x.shape, g.dtype), halos(g._spec), partial=True))
     if mask[1]:
         gw = _wrap(local_gx.to(g.dtype), mesh, psum, (c,))
     if mask[2]:
@@ -492,15 +493,15 @@ def _bn_fresh(t) -> None:
 
 
 def _bn_strip(t):
-    if isinstance(t, DTensor) and t._spec.halo:
-        if t._spec.halo_partial:
+    if isinstance(t, DTensor) and halos(t._spec):
+        if halo_partial(t._spec):
             SL.demote_(t)
             return t
         return SL.strip(t)
     return t
 
 
-@register_handler([aten.native_batch_norm.default, aten._native_batch_norm_legit.default], keeps_halo=True)
+@register_handler([aten.native_batch_norm.default, aten._native_batch_norm_legit.default], keeps_layout_data=True)
 def batch_norm_handler(op, args, kwargs):
     with torch.no_grad():
         names = ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps")
@@ -524,7 +525,7 @@ def batch_norm_handler(op, args, kwargs):
         return _bn_local(op, x, [w, b, rm, rv, training, momentum, eps], False)
 
 
-@register_handler(aten._native_batch_norm_legit.no_stats, keeps_halo=True)
+@register_handler(aten._native_batch_norm_legit.no_stats, keeps_layout_data=True)
 def batch_norm_no_stats_handler(op, args, kwargs):
     with torch.no_grad():
         x, w, b, training, momentum, eps = (list(args) + [kwargs.get(k) for k in (
@@ -538,18 +539,18 @@ def batch_norm_no_stats_handler(op, args, kwargs):
         return _bn_local(op, x, [w, b, training, momentum, eps], True)
 
 
-@register_handler(aten.native_batch_norm_backward.default, keeps_halo=True)
+@register_handler(aten.native_batch_norm_backward.default, keeps_layout_data=True)
 def batch_norm_backward_handler(op, args, kwargs):
     with torch.no_grad():
         names = ("grad_out", "input", "weight", "running_mean", "running_var", "save_mean", "save_invstd",
                  "train", "eps", "output_mask")
         g, x, w, rm, rv, smean, sinv, train, eps, mask = (list(args) + [kwargs.get(k) for k in names][len(args):])[:10]
         _bn_fresh(g), _bn_fresh(x)
-        if isinstance(g, DTensor) and g._spec.halo and not g._spec.halo_partial:
+        if isinstance(g, DTensor) and halos(g._spec) and not halo_partial(g._spec):
             g = SL.strip(g)
-        if (train and isinstance(g, DTensor) and g._spec.halo and _bn_halo(x) and tuple(g.placements) == tuple(x.placements)
+        if (train and isinstance(g, DTensor) and halos(g._spec) and _bn_halo(x) and tuple(g.placements) == tuple(x.placements)
                 and all(SL.halo_widths(x._spec, h.dim)[0] >= h.lo and SL.halo_widths(x._spec, h.dim)[1] >= h.hi
-                        for h in g._spec.halo)):
+                        for h in halos(g._spec))):
             return _bn_halo_backward(g, x, w, smean, sinv, mask)
         g, x = _bn_strip(g), _bn_strip(x)
         mesh = x.device_mesh
@@ -583,7 +584,7 @@ def batch_norm_backward_handler(op, args, kwargs):
         return gi, gw, gb
 
 
-@register_handler(aten._batch_norm_with_update.default, keeps_halo=True)
+@register_handler(aten._batch_norm_with_update.default, keeps_layout_data=True)
 def batch_norm_with_update_handler(op, args, kwargs):
     """(out, save_mean, save_invstd, reserve): native_batch_norm in training mode, plus an empty
     reserve buffer (CPU)."""
@@ -596,7 +597,7 @@ def batch_norm_with_update_handler(op, args, kwargs):
     return out, mean, invstd, reserve
 
 
-@register_handler(aten.batch_norm_backward.default, keeps_halo=True)
+@register_handler(aten.batch_norm_backward.default, keeps_layout_data=True)
 def batch_norm_backward_new_handler(op, args, kwargs):
     names = ("grad_out", "input", "weight", "running_mean", "running_var", "save_mean", "save_var",
              "update", "eps", "output_mask", "reserve")

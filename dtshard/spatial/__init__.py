@@ -22,7 +22,7 @@ Public API:
 """
 
 from dtshard.spatial import halo_ops as _halo_ops  # noqa: F401  (registers the halo layout extension)
-from dtshard.spatial.halo_layout import auto_depth, get_halo_depth, halo_depth, model
+from dtshard.spatial.halo_layout import auto_depth, get_halo_depth, halo_depth, halo_partial, halos, model
 
 __all__ = ["halo_depth", "get_halo_depth", "auto_depth", "model", "halo_of", "drop_halo"]
 
@@ -31,8 +31,8 @@ def halo_of(t) -> dict:
     """``{tensor dim: (lo, hi)}`` of the halo ``t`` carries (empty when none), plus
     ``"partial": True`` for a gradient's partial halo."""
     spec = t._spec
-    out = {h.dim: (h.lo, h.hi) for h in spec.halo}
-    if spec.halo and spec.halo_partial:
+    out = {h.dim: (h.lo, h.hi) for h in halos(spec)}
+    if halos(spec) and halo_partial(spec):
         out["partial"] = True
     return out
 
@@ -40,6 +40,6 @@ def halo_of(t) -> dict:
 def drop_halo(t):
     """``t`` without its halo (differentiable; ``t`` itself when it has none).  Never needed for
     correctness: every op that does not use a halo drops it on its own."""
-    if not t._spec.halo:
+    if not halos(t._spec):
         return t
     return t.view_as(t)

@@ -63,6 +63,7 @@ from dtshard import collectives as C
 from dtshard._config import config
 from dtshard.spatial import conv_halo as HC
 from dtshard.spatial import halo_layout as SL
+from dtshard.spatial.halo_layout import halo_partial, halos, with_halo
 from dtshard.registry import register_handler
 from dtshard.spec import DTensorSpec, chunk_range
 from dtshard import dispatch
@@ -270,7 +271,7 @@ def _conv_key(args, kwargs):
                 _tup(dilation), transposed, _tup(output_padding), groups, SL.get_halo_depth())
 
 
-@register_handler(aten.convolution.default, keeps_halo=True)
+@register_handler(aten.convolution.default, keeps_layout_data=True)
 def convolution_handler(op, args, kwargs):
     """Forward convolution on DTensors (any mode of the module docstring, per mesh dim).  A call
     whose (specs, arguments) were seen before runs its cached :class:`_ConvPlan`: no argument
@@ -284,7 +285,7 @@ def convolution_handler(op, args, kwargs):
         out = _halo_forward(op, x, w, bias, plan, output_padding, groups)
         if out is not None:
             return out  # else the depth learned for this call is 1: the usual path
-    if x._spec.halo:  # a halo this call cannot use
+    if halos(x._spec):  # a halo this call cannot use
         x = SL.strip(x)
     stride, dilation = plan.stride, plan.dilation
     mesh = x._spec.mesh
@@ -339,7 +340,7 @@ def _halo_forward(op, x, w, bias, plan, output_padding, groups):
         xl = x._local_tensor
         if hp.grow is not None:
             spec = x._spec.plain
-            if x._spec.halo:
+            if halos(x._spec):
                 xl = SL.plain_local(x)
             if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
                 # the backward rebuilds this window from what arrived (under torch.compile the
@@ -541,7 +542,7 @@ def _conv_backward_key(args, kwargs):
             _tup(padding), _tup(dilation), transposed, _tup(output_padding), groups, tuple(bool(m) for m in mask))
 
 
-@register_handler(aten.convolution_backward.default, keeps_halo=True)
+@register_handler(aten.convolution_backward.default, keeps_layout_data=True)
 def convolution_backward_handler(op, args, kwargs):
     """Backward of :func:`convolution_handler` (same modes, so it matches the forward layout);
     cached per (specs, arguments) like the forward."""
@@ -556,12 +557,12 @@ def convolution_backward_handler(op, args, kwargs):
         return _halo_backward(op, g, x, w, plan.halo, plan, transposed, groups)
     if plan.halo_kept is not None and HC.KEPT in x.__dict__:  # its forward widened x for several layers
         return _halo_backward(op, g, x, w, plan.halo_kept, plan, transposed, groups)
-    if g._spec.halo:  # halos this call cannot use: the owners' sums of a partial one
-        if g._spec.halo_partial:
+    if halos(g._spec):  # halos this call cannot use: the owners' sums of a partial one
+        if halo_partial(g._spec):
             SL.demote_(g)
         else:
             g = SL.strip(g)
-    if x._spec.halo:
+    if halos(x._spec):
         x = SL.strip(x)
     mesh = x._spec.mesh
     mask = plan.mask
@@ -624,20 +625,20 @@ def _halo_backward(op, g, x, w, hb, plan, transposed, groups):
     input carries those rows, else sent back to their owners once."""
     coord, mask = plan.coord, plan.mask
     with op_context(op):
-        gl = g._local_tensor if g._spec.halo_partial or not g._spec.halo else SL.plain_local(g)
+        gl = g._local_tensor if halo_partial(g._spec) or not halos(g._spec) else SL.plain_local(g)
         wl = w._local_tensor
-        need_spec = x._spec.plain.with_halo(hb.need)
+        need_spec = with_halo(x._spec.plain, hb.need)
         xl = None
         if mask[1] and hb.grow is None:  # the input carries the rows
             xl = SL.narrow_local(x._local_tensor, x._spec, hb.need, coord)
         elif mask[1]:
-            xo = SL.plain_local(x) if x._spec.halo else x._local_tensor
+            xo = SL.plain_local(x) if halos(x._spec) else x._local_tensor
             kept = x.__dict__.get(HC.KEPT)
             if (kept is not None and kept[0] == x._version
                     and len(kept[1]) == len(hb.grow) and all(
                         k.dim == n.dim and k.lo >= n.lo and k.hi >= n.hi for k, n in zip(kept[1], hb.grow))):
                 xl = SL.regrow_local(xo, x._spec.plain, kept[1], coord, kept[2])  # the forward's window
-                xl = SL.narrow_local(xl, x._spec.plain.with_halo(kept[1]), hb.need, coord)
+                xl = SL.narrow_local(xl, with_halo(x._spec.plain, kept[1]), hb.need, coord)
             else:
                 xl = SL.grow_local(xo, x._spec.plain, hb.grow, coord)
         if xl is None:  # the input gradient needs only the window's shape
@@ -651,7 +652,7 @@ def _halo_backward(op, g, x, w, hb, plan, transposed, groups):
                 if gi.shape[d] != length:
                     gi = gi.narrow(d, pad_l, length)
             if hb.partial_out:
-                gi_spec = gi_spec.with_halo(hb.need, partial=True)
+                gi_spec = with_halo(gi_spec, hb.need, partial=True)
             else:
                 gi = SL.accumulate_local(gi, x._spec.plain, hb.grow, coord)
     outs = []

@@ -27,8 +27,8 @@ import math
 import dtshard_kernels as K
 import torch
 
-from dtshard.spec import Halo
 from dtshard.spatial import halo_layout as L
+from dtshard.spatial.halo_layout import Halo, halo_partial, halos, with_halo
 from dtshard.spec import chunk_range
 
 __all__ = ["forward_plan", "backward_plan", "widening_for", "window", "KEPT", "SITE", "Site"]
@@ -153,13 +153,13 @@ def forward_plan(x_spec, out_spec, modes, stride, padding, dilation, w_shape, gr
                  targets_none: bool, cap: int | None = None):
     """The :class:`HaloConv` of a forward call, or None (the call runs as usual, without halos).
     ``cap``: the most layers a widening may serve (learned under ``"auto"``: see :class:`Site`)."""
-    if not targets_none or x_spec.halo_partial:
+    if not targets_none or halo_partial(x_spec):
         return None
     dims = _qualifies(modes, stride, padding, dilation, list(w_shape[2:]), transposed)
-    if dims is None or any(h.dim not in {d for _, d, _ in dims} for h in x_spec.halo):
+    if dims is None or any(h.dim not in {d for _, d, _ in dims} for h in halos(x_spec)):
         return None
     have = [L.halo_widths(x_spec, d) for _, d, _ in dims]
-    if x_spec.halo and all(lo >= p and hi >= p for (_, _, p), (lo, hi) in zip(dims, have)):
+    if halos(x_spec) and all(lo >= p and hi >= p for (_, _, p), (lo, hi) in zip(dims, have)):
         grow = None
         in_halo = tuple(Halo(d, i, lo, hi) for (i, d, _), (lo, hi) in zip(dims, have))
         out_halo = tuple(Halo(d, i, lo - p, hi - p) for (i, d, p), (lo, hi) in zip(dims, have))
@@ -173,10 +173,10 @@ def forward_plan(x_spec, out_spec, modes, stride, padding, dilation, w_shape, gr
             return None
         grow = in_halo = tuple(Halo(d, i, n * p, n * p) for i, d, p in dims)
         out_halo = tuple(Halo(d, i, (n - 1) * p, (n - 1) * p) for i, d, p in dims)
-    spec = out_spec.with_halo(out_halo)
+    spec = with_halo(out_spec, out_halo)
     args = (x_spec, out_spec, modes, stride, padding, dilation, w_shape, groups, transposed, coord, targets_none)
     return HaloConv(dims=dims, grow=tuple(h for h in grow if h.lo or h.hi) if grow else None, need=in_halo,
-                    out_halo=out_halo, windows=_windows(x_spec.plain.with_halo(in_halo), in_halo, out_halo, dims, coord),
+                    out_halo=out_halo, windows=_windows(with_halo(x_spec.plain, in_halo), in_halo, out_halo, dims, coord),
                     partial_out=False, out_local_shape=L.ext_shape(spec, coord), out_spec=spec,
                     depth=n if grow else None, learns=bool(grow) and L.get_halo_depth() == "auto",
                     replan=lambda cap: forward_plan(*args, cap=cap), capped={})
@@ -205,22 +205,22 @@ def backward_plan(g_spec, x_spec, modes, stride, padding, dilation, w_shape, tra
     """The :class:`HaloConv` of a ``convolution_backward`` call whose output gradient or input
     carries a halo, or None (then both are used without).  ``kept``: the plan for plain ones
     whose forward widened the input (it kept the rows that arrived: :data:`KEPT`)."""
-    if not targets_none or (x_spec.halo and x_spec.halo_partial):
+    if not targets_none or (halos(x_spec) and halo_partial(x_spec)):
         return None
     dims = _qualifies(modes, stride, padding, dilation, list(w_shape[2:]), transposed)
     if dims is None:
         return None
     spatial = {d for _, d, _ in dims}
-    if any(h.dim not in spatial for h in g_spec.halo) or any(h.dim not in spatial for h in x_spec.halo):
+    if any(h.dim not in spatial for h in halos(g_spec)) or any(h.dim not in spatial for h in halos(x_spec)):
         return None
-    g_halo = tuple(Halo(d, i, *L.halo_widths(g_spec, d)) for i, d, _ in dims) if g_spec.halo_partial \
+    g_halo = tuple(Halo(d, i, *L.halo_widths(g_spec, d)) for i, d, _ in dims) if halo_partial(g_spec) \
         else tuple(Halo(d, i, 0, 0) for i, d, _ in dims)
     need = tuple(Halo(d, i, g.lo + p, g.hi + p) for (i, d, p), g in zip(dims, g_halo))
     have = [L.halo_widths(x_spec, d) for _, d, _ in dims]
-    local = bool(x_spec.halo) and all(lo >= n.lo and hi >= n.hi for (lo, hi), n in zip(have, need))
-    if not local and not g_spec.halo_partial and not (kept and not g_spec.halo and not x_spec.halo):
+    local = bool(halos(x_spec)) and all(lo >= n.lo and hi >= n.hi for (lo, hi), n in zip(have, need))
+    if not local and not halo_partial(g_spec) and not (kept and not halos(g_spec) and not halos(x_spec)):
         return None  # nothing carried a usable halo: the usual path
     return HaloConv(dims=dims, grow=None if local else tuple(h for h in need if h.lo or h.hi), need=need,
-                    out_halo=g_halo, windows=_windows(x_spec.plain.with_halo(need), need, g_halo, dims, coord),
-                    partial_out=local, out_local_shape=L.ext_shape(x_spec.plain.with_halo(need), coord), out_spec=None,
+                    out_halo=g_halo, windows=_windows(with_halo(x_spec.plain, need), need, g_halo, dims, coord),
+                    partial_out=local, out_local_shape=L.ext_shape(with_halo(x_spec.plain, need), coord), out_spec=None,
                     depth=None, learns=False, replan=None, capped=None)

@@ -1,7 +1,9 @@
 """Halos as part of a spatial shard's layout: the arithmetic, the depth policy, stripping.
 
 A spatially sharded DTensor (``Shard(d)`` of a spatial dim ``d`` on mesh dim ``i``) may carry a
-halo ``(lo, hi)`` on ``d`` (:class:`dtshard.spec.Halo`, in its spec): its local tensor is then
+halo ``(lo, hi)`` on ``d`` (:class:`Halo`; all of a tensor's are a :class:`HaloLayout`, the
+spec's ``extra``, which this feature owns as a ``dtshard.hooks`` layout extension registered in
+``halo_ops.py``): its local tensor is then
 its owned chunk ``[c, e)`` (``torch.chunk`` layout of the global length ``N``) widened to the
 EXTENDED range::
 
@@ -11,7 +13,7 @@ so a rank at a global edge holds no rows beyond it, and an empty or short shard 
 ranks farther away (multi-hop) as the range says.  Everything follows from metadata every rank
 shares: the widths are nominal, the per-rank extents are this formula.
 
-Two kinds (``spec.halo_partial``):
+Two kinds (``HaloLayout.partial``):
 
 * replicated (activations): every row of the extended range holds the global tensor's value
   there; the owned shard is a narrow of it, so dropping the halo is free;
@@ -20,7 +22,7 @@ Two kinds (``spec.halo_partial``):
   the halo sends the halo rows back to their owners, who add them (``halo.accumulate``, the
   adjoint of the exchange that widened the forward tensor).
 
-Which ops keep a halo (see ``dispatch_halo`` and the handlers that take ``keeps_halo=True``):
+Which ops keep a halo (see ``dispatch_halo`` and the handlers that take ``keeps_layout_data=True``):
 
 * pointwise ops and copies (``detach``, ``clone``, ``_to_copy``) compute on the extended rows;
   the output's halo is the narrowest of its sharded inputs' (a plain shard: none);
@@ -40,16 +42,23 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from dtshard.spatial import halo as H
-from dtshard.spec import DTensorSpec, Halo, chunk_range
 from dtshard import collectives as C
+from dtshard import hooks
+from dtshard.spatial import halo as H
+from dtshard.spec import DTensorSpec, chunk_range
 from dtshard.tensor import DTensor
 
 __all__ = [
+    "Halo",
+    "HaloLayout",
+    "halos",
+    "halo_partial",
+    "with_halo",
     "halo_depth",
     "get_halo_depth",
     "auto_depth",
@@ -65,6 +74,56 @@ __all__ = [
     "fresh",
     "model",
 ]
+
+
+# ---------------------------------------------------------------------------------------------
+# the halo in a spec
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Halo:
+    """Rows of its neighbours that a spatial shard carries on one tensor dim: ``lo`` rows before
+    its owned chunk and ``hi`` after, as far as the global tensor reaches (a rank at a global
+    edge holds fewer: ``max(0, c - lo)`` to ``min(N, e + hi)`` for an owned chunk ``[c, e)``).
+    ``dim`` is sharded by ``Shard(dim)`` on ``mesh_dim`` and by no other mesh dim."""
+
+    dim: int
+    mesh_dim: int
+    lo: int
+    hi: int
+
+
+@dataclass(frozen=True)
+class HaloLayout:
+    """The halo a spatial shard carries, as its spec's ``extra``: ``halos`` (in mesh-dim order,
+    no zero widths) and ``partial``: the rows (owned ones too) hold this rank's CONTRIBUTION to a
+    sum over ranks (a gradient of a tensor that carried a halo), not copies."""
+
+    halos: tuple[Halo, ...]
+    partial: bool = False
+
+    def __str__(self) -> str:
+        return "halo=" + ",".join(f"dim{h.dim}({h.lo},{h.hi})" for h in self.halos) + \
+            (" partial" if self.partial else "")
+
+
+def halos(spec: DTensorSpec) -> tuple[Halo, ...]:
+    """The halos ``spec`` carries (empty for a plain layout)."""
+    e = spec.extra
+    return e.halos if type(e) is HaloLayout else ()
+
+
+def halo_partial(spec: DTensorSpec) -> bool:
+    """Does ``spec`` carry a partial halo (a gradient's contributions)?"""
+    e = spec.extra
+    return type(e) is HaloLayout and e.partial
+
+
+def with_halo(spec: DTensorSpec, halo: Sequence[Halo], partial: bool = False) -> DTensorSpec:
+    """``spec`` carrying ``halo`` (widths of 0 dropped; none left: the plain spec)."""
+    halo = tuple(h for h in halo if h.lo or h.hi)
+    return spec.with_extra(HaloLayout(halo, partial) if halo else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,7 +231,7 @@ def _offsets(spec: DTensorSpec, h: Halo, coord) -> tuple[int, int, int, int]:
 
 def halo_widths(spec: DTensorSpec, dim: int) -> tuple[int, int]:
     """Nominal ``(lo, hi)`` of ``spec``'s halo on tensor dim ``dim`` (0, 0 without one)."""
-    for h in spec.halo:
+    for h in halos(spec):
         if h.dim == dim:
             return h.lo, h.hi
     return 0, 0
@@ -181,7 +240,7 @@ def halo_widths(spec: DTensorSpec, dim: int) -> tuple[int, int]:
 def ext_shape(spec: DTensorSpec, coord) -> tuple[int, ...]:
     """This rank's local shape under ``spec`` (the owned shape widened by the halo)."""
     shape = list(spec.local_shape(coord))
-    for h in spec.halo:
+    for h in halos(spec):
         s, _, _, t = _offsets(spec, h, coord)
         shape[h.dim] = t - s
     return tuple(shape)
@@ -202,7 +261,7 @@ def _target(halo_to: Sequence[Halo], h: Halo) -> Halo:
 def narrow_local(local: torch.Tensor, spec: DTensorSpec, halo_to: Sequence[Halo], coord) -> torch.Tensor:
     """A replicated extended ``local`` (under ``spec``) narrowed to the halo ``halo_to`` (every
     width at most ``spec``'s; a view, no copy).  For partial tensors use :func:`pad_local`."""
-    for h in spec.halo:
+    for h in halos(spec):
         g = _target(halo_to, h)
         if (g.lo, g.hi) == (h.lo, h.hi):
             continue
@@ -219,7 +278,7 @@ def pad_local(local: torch.Tensor, spec: DTensorSpec, halo_to: Sequence[Halo], c
     widened with zero contributions to the halo ``halo_to`` (every width at least ``spec``'s)."""
     import dtshard_kernels as K
 
-    have = {h.dim: h for h in spec.halo}
+    have = {h.dim: h for h in halos(spec)}
     for g in halo_to:
         h = have.get(g.dim, Halo(g.dim, g.mesh_dim, 0, 0))
         if (g.lo, g.hi) == (h.lo, h.hi):
@@ -239,12 +298,12 @@ def plain_local(dt) -> torch.Tensor:
     collective, entered by every rank alike since the spec is the same everywhere)."""
     spec = dt._spec
     local = dt._local_tensor
-    if not spec.halo:
+    if not halos(spec):
         return local
     coord = C.mesh_coordinate(spec.mesh)
-    if not spec.halo_partial:
+    if not halo_partial(spec):
         return narrow_local(local, spec, (), coord)
-    for h in reversed(spec.halo):
+    for h in reversed(halos(spec)):
         plan = grow_plan(spec.shape[h.dim], spec.mesh_shape[h.mesh_dim], coord[h.mesh_dim], h.lo, h.hi)
         local = H.accumulate(local, plan, h.dim, spec.mesh, h.mesh_dim)
     return local
@@ -253,7 +312,7 @@ def plain_local(dt) -> torch.Tensor:
 def strip(dt):
     """A DTensor of the same global tensor and placements without a halo (below autograd: a new
     wrapper, no graph).  ``dt`` itself when it has none."""
-    if not dt._spec.halo:
+    if not halos(dt._spec):
         return dt
 
     return DTensor(plain_local(dt), dt._spec.plain, requires_grad=False)
@@ -263,18 +322,18 @@ def demote_(dt) -> None:
     """Drop ``dt``'s halo IN PLACE (its local tensor becomes the owned shard): for an op that
     writes into ``dt`` without knowing halos, and for partial halos, whose resolution is a
     collective worth doing once."""
-    if dt._spec.halo:
+    if halos(dt._spec):
         local = plain_local(dt)
         dt._local_tensor = local
         dt._spec = dt._spec.plain
 
 
-_V = "_dtshard_halo_v"
+_V = hooks.LAYOUT_VERSION  # the tensor class stamps the version the halo was made at
 
 
 def stale(dt) -> bool:
     """Has an op written into ``dt`` (or an alias of it) since its halo was made?"""
-    return bool(dt._spec.halo) and dt.__dict__.get(_V) != dt._version
+    return bool(halos(dt._spec)) and dt.__dict__.get(_V) != dt._version
 
 
 def fresh(dt) -> None:

@@ -15,9 +15,11 @@ import torch
 from dtshard import collectives as C
 from dtshard import dispatch as D
 from dtshard import hooks
-from dtshard.spec import DTensorSpec, Halo
+from dtshard.spec import DTensorSpec
 from dtshard.spatial import halo_layout as L
+from dtshard.spatial.halo_layout import Halo, halo_partial, halos, with_halo
 from dtshard.propagate import propagate
+from dtshard.registry import op_facts
 from dtshard.tensor import DTensor
 
 aten = torch.ops.aten
@@ -61,7 +63,7 @@ D.handler_caches.append(_decisions)  # dispatch.clear_cache() clears the decisio
 def dispatch_halo(op, args: tuple, kwargs: dict):
     DT = DTensor
     for a in args:  # a halo that an in-place write left behind is dropped first
-        if isinstance(a, DT) and a._spec.halo:
+        if isinstance(a, DT) and halos(a._spec):
             L.fresh(a)
     try:
         dts, margs, mkwargs, key = D.unwrap_call(op, args, kwargs)
@@ -87,8 +89,8 @@ def dispatch_halo(op, args: tuple, kwargs: dict):
         if action == "narrow":
             t = L.narrow_local(t, d._spec, halo, coord)
         elif action == "pad":
-            t = L.pad_local(t if d._spec.halo_partial or not d._spec.halo else L.narrow_local(t, d._spec, (), coord),
-                            d._spec if d._spec.halo_partial else d._spec.plain, halo, coord)
+            t = L.pad_local(t if halo_partial(d._spec) or not halos(d._spec) else L.narrow_local(t, d._spec, (), coord),
+                            d._spec if halo_partial(d._spec) else d._spec.plain, halo, coord)
         locals_.append(t)
     largs, lkwargs = D.local_args(margs, mkwargs, locals_)
     out = dec.plan.local_op(*largs, **lkwargs)
@@ -101,7 +103,7 @@ def dispatch_halo(op, args: tuple, kwargs: dict):
     res = DT(out, dec.out_spec, requires_grad=False)
     if dec.plan.is_view and dts[0]._copied_view is not None:
         res._copied_view = dts[0]._copied_view
-    if not dec.out_spec.halo_partial:  # the widening that fetched these rows (its depth learns)
+    if not halo_partial(dec.out_spec):  # the widening that fetched these rows (its depth learns)
         for d in dts:
             site = d.__dict__.get(_SITE)
             if site is not None:
@@ -110,8 +112,10 @@ def dispatch_halo(op, args: tuple, kwargs: dict):
     return res
 
 
-def _written(op) -> list[int]:
-    return [k for k, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+def _drop(t):
+    """``t`` without its halo, differentiable: a view of the whole tensor, which no halo survives
+    (the view op is stripped like any op that does not compute on halo rows)."""
+    return t.view_as(t)
 
 
 def stripped(op, args: tuple, kwargs: dict, handler=None):
@@ -119,15 +123,14 @@ def stripped(op, args: tuple, kwargs: dict, handler=None):
     it writes and partial halos lose theirs in place (:func:`layout.demote_`), replicated ones are
     passed as their owned shards."""
     DT = DTensor
-    names = [a.name for a in op._schema.arguments]
-    written = set(_written(op))
-    written_names = {names[k] for k in written}
+    facts = op_facts(op)
+    written, written_names = facts.written_positions, facts.written
 
     def plain(a, write):
-        if isinstance(a, DT) and a._spec.halo:
+        if isinstance(a, DT) and halos(a._spec):
             L.fresh(a)
-        if isinstance(a, DT) and a._spec.halo:
-            if write or a._spec.halo_partial:
+        if isinstance(a, DT) and halos(a._spec):
+            if write or halo_partial(a._spec):
                 L.demote_(a)
                 return a
             return L.strip(a)
@@ -164,7 +167,7 @@ def _decide(op, args, kwargs, dts, margs, mkwargs, key):
     # the halo dims: every (dim, mesh dim) some input carries, which the output keeps sharded alike
     dims: dict[int, int] = {}
     for d in dts:
-        for h in d._spec.halo:
+        for h in halos(d._spec):
             if d._spec.ndim != out.ndim or dims.get(h.dim, h.mesh_dim) != h.mesh_dim:
                 return _STRIP
             dims[h.dim] = h.mesh_dim
@@ -188,7 +191,7 @@ def _decide(op, args, kwargs, dts, margs, mkwargs, key):
             else:
                 return _STRIP
         kinds.append(per)
-    partial = [k for k, d in enumerate(dts) if d._spec.halo and d._spec.halo_partial]
+    partial = [k for k, d in enumerate(dts) if halos(d._spec) and halo_partial(d._spec)]
     inplace = plan.mode == "inplace"
     if partial:
         if op in ADDITIVE:
@@ -205,7 +208,7 @@ def _decide(op, args, kwargs, dts, margs, mkwargs, key):
                 if k == pk:
                     continue
                 for dim, v in per.items():
-                    if v is not None and (not dts[k]._spec.halo or v[0] < widths[dim][0] or v[1] < widths[dim][1]):
+                    if v is not None and (not halos(dts[k]._spec) or v[0] < widths[dim][0] or v[1] < widths[dim][1]):
                         return _STRIP  # a plain or narrower factor: the partial rows have no copy to multiply
             actions_kind = "narrow"
         else:
@@ -215,22 +218,22 @@ def _decide(op, args, kwargs, dts, margs, mkwargs, key):
                         min(per[dim][1] for per in kinds if per[dim] is not None)) for dim in dims}
         actions_kind = "narrow"
     halo = tuple(Halo(dim, i, *widths[dim]) for dim, i in sorted(dims.items(), key=lambda t: t[1]))
-    out_spec = out.with_halo(halo, partial=bool(partial))
-    if not out_spec.halo:
+    out_spec = with_halo(out, halo, partial=bool(partial))
+    if not halos(out_spec):
         return _STRIP
-    if inplace and (dts[0]._spec.halo != out_spec.halo or dts[0]._spec.halo_partial != out_spec.halo_partial
+    if inplace and (halos(dts[0]._spec) != halos(out_spec) or halo_partial(dts[0]._spec) != halo_partial(out_spec)
                     or args[0] is not dts[0]):
         return _STRIP
     actions = []
     for d, per in zip(dts, kinds):
         if all(v is None for v in per.values()):
             actions.append(("as_is", ()))
-        elif d._spec.halo == out_spec.halo and d._spec.halo_partial == out_spec.halo_partial:
+        elif halos(d._spec) == halos(out_spec) and halo_partial(d._spec) == halo_partial(out_spec):
             actions.append(("as_is", ()))
-        elif partial and actions_kind == "narrow" and d._spec.halo_partial:
+        elif partial and actions_kind == "narrow" and halo_partial(d._spec):
             actions.append(("as_is", ()))
         else:
-            actions.append((actions_kind, out_spec.halo))
+            actions.append((actions_kind, halos(out_spec)))
     return _Keep(plan, out_spec, tuple(actions), inplace)
 
 
@@ -243,4 +246,4 @@ def _position(op, args, dt) -> int:
 
 # the dispatcher sends ops on DTensors that carry a halo here, and strips halos through here for
 # handlers that do not read them (dtshard.hooks.layout_extension)
-hooks.layout_extension("halo", dispatch=dispatch_halo, strip=stripped)
+hooks.layout_extension(L.HaloLayout, dispatch=dispatch_halo, strip=stripped, drop=_drop)

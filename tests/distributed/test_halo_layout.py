@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import dtshard
 from dtshard import Replicate, Shard
 from dtshard.debug import CommCounter
-from dtshard.spec import Halo
+from dtshard.spatial.halo_layout import Halo, halos, with_halo
 from dtshard.spatial import halo_layout as L
 from dtshard.testing import run_distributed
 
@@ -56,7 +56,7 @@ def _run(m, model, ref, x, placements, depth, loss_fn=None):
     for h in hooks:
         h.remove()
     errs = [(y.full_tensor() - yr).abs().max().item(), (xd.grad.full_tensor() - xr.grad).abs().max().item()]
-    assert not xd.grad._spec.halo  # a leaf's gradient: the owners' sums
+    assert not halos(xd.grad._spec)  # a leaf's gradient: the owners' sums
     for p, q in zip(model.parameters(), ref.parameters()):
         errs.append((p.grad.full_tensor() - q.grad).abs().max().item())
     a2a = [sum(1 for r in c.records if r.kind == "all_to_all") for c in (fwd, bwd)]
@@ -222,8 +222,8 @@ def _api(_=None):
         "repr": "halo=" in repr(y),
         # the halo is part of the spec's identity (cache keys); other placements drop it
         "spec": (y._spec != y._spec.plain, hash(y._spec) != hash(y._spec.plain),
-                 not y._spec.with_placements([Replicate()]).halo, y._spec.plain.with_halo(y._spec.halo) == y._spec,
-                 y._spec.plain.with_halo([Halo(2, 0, 0, 0)]) == y._spec.plain),
+                 not halos(y._spec.with_placements([Replicate()])), with_halo(y._spec.plain, halos(y._spec)) == y._spec,
+                 with_halo(y._spec.plain, [Halo(2, 0, 0, 0)]) == y._spec.plain),
     }
     return out
 
