@@ -63,7 +63,7 @@ def clear_caches():
     """Forget every cached dispatch plan and every cached redistribute plan (the torch adapter
     likewise clears its sharding-propagation caches and its redistribute planner cache)."""
     dtshard.dispatch.clear_cache()
-    dtshard.redistribute._plan_cache.clear()
+    dtshard.redistribute.clear_plan_cache()
 
 
 def cache_stats():

@@ -320,7 +320,8 @@ def test_default_pieces():
     A function of metadata only: no coordinate goes in, so every rank cuts the same pieces."""
     from types import SimpleNamespace
 
-    from dtshard.redistribute import Step, _choose_pipe
+    from dtshard.redistribute import Step
+    from dtshard.redistribute.pipelining import choose_pipe
 
     cfg = dtshard.config
     assert cfg.pipeline_device_types == ("cpu", "cuda") and cfg.pipeline_chunk_bytes == 8 * 2**20
@@ -330,7 +331,7 @@ def test_default_pieces():
     def pieces(n_rows, src, dst, mesh_shape=(2,)):
         spec = SimpleNamespace(shape=(n_rows, 2048), mesh_shape=mesh_shape, dtype=torch.float32)
         kind = {(S1, R): "all_gather", (P, S1): "reduce_scatter", (S0, S1): "all_to_all"}[(src, dst)]
-        pipe = _choose_pipe(spec, (src,), Step(0, src, dst, kind), cfg.pipeline_chunk_bytes, cfg.pipeline_max_chunks)
+        pipe = choose_pipe(spec, (src,), Step(0, src, dst, kind), cfg.pipeline_chunk_bytes, cfg.pipeline_max_chunks)
         return None if pipe is None else (pipe.pieces, pipe.dim, pipe.sub)
 
     assert pieces(2048, S1, R) == (2, 0, False)  # 16 MiB

@@ -63,7 +63,7 @@ def _backward(mesh_shape, shape, src, dst):
 
 def _peak_local_numel(mesh_shape, shape, src, dst):
     """Largest local shard any intermediate state of the plan holds (rank 0 holds the largest)."""
-    from dtshard.redistribute import _local_numel, plan
+    from dtshard.redistribute.planning import _local_numel, plan
 
     m = mesh(mesh_shape)
     spec = make_dtensor(global_tensor(shape), m, Ps(src))._spec

@@ -148,7 +148,7 @@ LAYERS = {
     0: ["spec", "_config", "_trace", "hooks", "models", "testing.harness"],
     1: ["layout", "registry", "rules._common"],
     2: ["collectives"],
-    3: ["redistribute", "spatial.halo"],
+    3: ["redistribute.*", "spatial.halo"],
     4: ["propagate"],
     5: ["dispatch", "tensor"],
     6: ["handlers", "factories", "composites", "experimental", "debug", "grad_buckets", "parallel._linear"],

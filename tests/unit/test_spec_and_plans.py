@@ -228,13 +228,13 @@ def test_plan_cache_is_bounded():
 
 
 def test_closed_form_1d_costs_equal_the_planned_steps():
-    """redistribute._cost_1d (the cache-miss fast path) prices exactly what plan() + _step_cost do."""
+    """redistribute.planning._cost_1d (the cache-miss fast path) prices exactly what plan() + _step_cost do."""
     import itertools
 
     import torch
     from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-    from dtshard import redistribute as RD
+    from dtshard.redistribute import planning as RD
     from dtshard.spec import DTensorSpec
 
     class _Mesh:  # only .shape is read by the cost model

@@ -1,0 +1,505 @@
+"""Planning a redistribute: pure metadata, no tensors, no process group.
+
+  A transition from placements ``src`` to ``dst`` on an N-D mesh is a
+sequence of steps, each changing the placement of ONE mesh dim with one collective over that mesh
+dim's process group (or a local slice / zeroing).  Steps are chosen by a shortest-path search over
+placement states, priced in bytes each rank receives (ARCHITECTURE.md's table), so e.g. a 2x2
+``(S0, S1) -> (S1, S0)`` goes through all_gather + all_to_all + slice and never gathers the full
+tensor.
+
+Which single-mesh-dim steps are legal follows from the nesting convention (mesh dims shard a tensor
+dim in mesh-dim order, outermost first, see spec.py):
+  - un-sharding tensor dim ``d`` on mesh dim ``i`` (all_gather, all_to_all source) is legal only if
+    ``i`` is the innermost mesh dim sharding ``d`` (the group then holds one contiguous range);
+  - sharding ``d`` on mesh dim ``i`` (slice, reduce_scatter, all_to_all target) is legal only if no
+    mesh dim after ``i`` already shards ``d``;
+  - reducing a Partial (all_reduce) and R -> P are always legal; P(a) -> P(b) and S -> P go via R.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+from dtshard import layout as L
+from dtshard.layout import exchange_costs
+from dtshard.spec import (DTensorSpec, _itemsize, chunk_range, is_strided, memo, placement_equal, placement_key,
+                          placement_str, placements_str)
+from dtshard.spec import placement_kind as _kind
+
+__all__ = ["Step", "GroupStep", "all_coords", "clear_plan_cache", "plan", "plan_text", "transition_cost"]
+
+_R = Replicate()
+
+
+@dataclass(frozen=True)
+class Step:
+    """One single-mesh-dim transition and the collective (or local op) that performs it."""
+
+    mesh_dim: int
+    src: Placement
+    dst: Placement
+    kind: str  # all_gather | all_reduce | reduce_scatter | all_to_all | slice | zero
+
+    def __str__(self) -> str:
+        return f"mesh dim {self.mesh_dim}: {placement_str(self.src)} -> {placement_str(self.dst)} {self.kind}"
+
+
+@dataclass(frozen=True)
+class GroupStep:
+    """One collective over the flattened group of several mesh dims (``collectives.flat_group``)
+    that changes the placements of all of them at once: ``src`` and ``dst`` are whole states.
+
+    ``all_reduce``: Partial on every dim of ``mesh_dims`` -> Replicate (one reduction, one latency);
+    ``reduce_scatter``: Partial on them -> Shard(d) on all of them (nested in mesh order);
+    ``exchange``: any Shard/Replicate layout -> any other, as one ``all_to_all`` with per-rank split
+    sizes in which each rank receives exactly what its new shard lacks (``dtshard.layout``);
+    ``all_gather``: Shard(d) on the innermost mesh dims sharding d -> Replicate on them, as one
+    all_gather (one latency instead of one per mesh dim).
+    ``cost``: bytes received by the rank that receives most (the same number on every rank).
+    """
+
+    mesh_dims: tuple[int, ...]
+    src: tuple[Placement, ...]
+    dst: tuple[Placement, ...]
+    kind: str
+    costs: tuple[float, ...]  # bytes each rank receives, by mesh coordinate (row-major)
+
+    @property
+    def cost(self) -> float:
+        return max(self.costs)
+
+    @property
+    def mesh_dim(self):
+        return self.mesh_dims
+
+    def __str__(self) -> str:
+        dims = "x".join(str(d) for d in self.mesh_dims)
+        return (f"mesh dims {dims} (flattened): {placements_str(self.src)} -> {placements_str(self.dst)} "
+                f"{self.kind}")
+
+
+def _step_kind_of_kinds(ks: str, kd: str) -> str | None:
+    """The collective (or local step) that changes one mesh dim from a placement of kind ``ks``
+    to one of kind ``kd`` (:func:`dtshard.spec.placement_kind`); None where there is no direct
+    step (S -> P and P(a) -> P(b) go through R)."""
+    if ks == "S":
+        return {"R": "all_gather", "S": "all_to_all"}.get(kd)
+    if ks == "R":
+        return "slice" if kd == "S" else "zero"
+    return {"R": "all_reduce", "S": "reduce_scatter"}.get(kd)  # src is Partial
+
+
+#: _step_kind by (source kind, destination kind): the search's inner loop reads it directly
+_KIND_OF_STEP = {(a, b): _step_kind_of_kinds(a, b) for a in "SRPT?" for b in "SRPT?"}
+
+
+def _step_kind(src: Placement, dst: Placement) -> str | None:
+    return _KIND_OF_STEP[_kind(src), _kind(dst)]
+
+
+def _local_numel(shape: Sequence[int], mesh_shape: Sequence[int], state: Sequence[Placement]) -> int:
+    """Elements of the largest local shard (coordinate 0 holds the largest chunks)."""
+    s = list(shape)
+    for i, p in enumerate(state):
+        if _kind(p) == "S":
+            s[p.dim] = chunk_range(s[p.dim], mesh_shape[i], 0)[1]
+    n = 1
+    for v in s:
+        n *= v
+    return n
+
+
+def _local_len(shape, mesh_shape, state, d) -> int:
+    """Length of tensor dim ``d`` in the largest local shard (coordinate 0 holds the largest)."""
+    n = shape[d]
+    for i, p in enumerate(state):
+        if _kind(p) == "S" and p.dim == d:
+            n = chunk_range(n, mesh_shape[i], 0)[1]
+    return n
+
+
+def _step_cost(shape, mesh_shape, state, i, dst, itemsize) -> float:
+    """Bytes this rank receives for the step (plus a small charge for local-only work)."""
+    kind = _step_kind(state[i], dst)
+    split = _local_len(shape, mesh_shape, state, dst.dim) if kind in _SPLITS else 0
+    return _kind_cost(kind, _local_numel(shape, mesh_shape, state) * itemsize, mesh_shape[i], split)
+
+
+_SPLITS = ("reduce_scatter", "all_to_all")
+
+
+def _kind_cost(kind: str, local: float, n: int, split_len: int) -> float:
+    """Bytes a rank whose shard holds ``local`` bytes receives in a step of ``kind`` over a mesh
+    dim of ``n`` ranks; ``split_len``: the length, in that shard, of the tensor dim a
+    reduce_scatter / all_to_all splits."""
+    if kind == "all_gather":
+        return (n - 1) * local
+    if kind == "all_reduce":
+        return 2 * (n - 1) * local / n
+    if kind in _SPLITS:
+        # a rank receives n-1 pieces the size of the one it keeps: the largest, ceil(len / n)
+        # of the tensor dim being split (which is not n-way even when the dim is uneven)
+        return _split_cost(local, split_len, n)
+    # local-only steps: charge a little so that plans without them win ties
+    return 0.01 * local + 1.0
+
+
+def _candidates(src: Sequence[Placement], dst: Sequence[Placement]) -> list[Placement]:
+    cands: list[Placement] = [_R]
+    for p in (*src, *dst):
+        if p not in cands:
+            cands.append(p)
+    return cands
+
+
+_plan_cache: dict[tuple, tuple[Step, ...]] = {}
+
+
+def clear_plan_cache() -> None:
+    """Forget every planned transition (benchmarks time a cold planner with it)."""
+    _plan_cache.clear()
+    _dijkstra_cache.clear()
+
+
+def plan(spec: DTensorSpec, dst: Sequence[Placement]) -> tuple[Step, ...]:
+    """The cheapest legal sequence of steps from ``spec.placements`` to ``dst``: single-mesh-dim
+    steps (:class:`Step`) and, on N-D meshes, steps over flattened groups (:class:`GroupStep`)."""
+    src = tuple(spec.placements)
+    dst = tuple(dst)
+    key = (src, dst, spec.shape, spec.mesh_shape, spec.dtype)
+    hit = _plan_cache.get(key)
+    if hit is not None:
+        return hit
+    if src == dst:
+        _plan_cache[key] = ()
+        return ()
+    if len(src) == 1 and not _any_strided(src, dst):  # one mesh dim: a direct step, or two through Replicate (S->P, P(a)->P(b))
+        kind = _step_kind(src[0], dst[0])
+        if kind is not None:
+            steps = (Step(0, src[0], dst[0], kind),)
+        else:
+            steps = (Step(0, src[0], _R, _step_kind(src[0], _R)), Step(0, _R, dst[0], _step_kind(_R, dst[0])))
+        _plan_cache[key] = steps
+        return steps
+    steps = _best_plan(spec, src, dst)
+    _plan_cache[key] = steps
+    return steps
+
+
+_dijkstra_cache: dict[tuple, tuple[Step, ...]] = {}  # sub-plans of the group search repeat across transitions
+
+
+def _dijkstra(spec: DTensorSpec, src: tuple, dst: tuple) -> tuple[Step, ...]:
+    """The cheapest sequence of single-mesh-dim steps (ValueError when there is none)."""
+    shape, mesh_shape, itemsize = spec.shape, spec.mesh_shape, _itemsize(spec.dtype)
+    key = (tuple(placement_key(p) for p in src), tuple(placement_key(p) for p in dst), tuple(shape),
+           tuple(mesh_shape), itemsize)  # placements by exact type: a strided shard never equals a Shard
+    return memo(_dijkstra_cache, key, lambda: _dijkstra_search(shape, mesh_shape, itemsize, src, dst))
+
+
+def _dijkstra_search(shape, mesh_shape, itemsize, src: tuple, dst: tuple) -> tuple[Step, ...]:
+    """Dijkstra over placement states; an edge changes one mesh dim's placement by one step
+    (:func:`_step_kind`), legal when that mesh dim is the innermost one sharding its source's
+    tensor dim and no later mesh dim shards the target's, priced by :func:`_step_cost`.  A state is a tuple of
+    indices into the candidate placements (ints hash and compare in C; placements do not), and
+    the per-state facts the edges need (each placement's kind, the tensor dims sharded by later
+    mesh dims, the largest local shard) are computed once per state: the same plans and costs,
+    in the same order, as evaluating those functions per edge on placements."""
+    cands = _candidates(src, dst)
+    index = lambda p: next(k for k, c in enumerate(cands) if c == p)  # noqa: E731
+    kinds = [_kind(q) for q in cands]
+    sdim = [q.dim if k == "S" else None for q, k in zip(cands, kinds)]
+    start, goal = tuple(index(p) for p in src), tuple(index(p) for p in dst)
+    best: dict[tuple, float] = {start: 0.0}
+    heap: list = [(0.0, 0, start, ())]
+    tie = 1
+    ndim = len(src)
+    mesh_shape = tuple(mesh_shape)
+    while heap:
+        cost, _, state, steps = heapq.heappop(heap)
+        if state == goal:
+            return tuple(Step(i, cands[a], cands[b], kind) for i, a, b, kind in steps)
+        if cost > best.get(state, float("inf")):
+            continue
+        # the largest local shard of this state (coordinate 0 holds the largest chunks)
+        lens = list(shape)
+        for i, a in enumerate(state):
+            if sdim[a] is not None:
+                lens[sdim[a]] = chunk_range(lens[sdim[a]], mesh_shape[i], 0)[1]
+        local = math.prod(lens) * itemsize
+        for i in range(ndim):
+            a = state[i]
+            ka = kinds[a]
+            later = {sdim[b] for b in state[i + 1:] if sdim[b] is not None}  # tensor dims later mesh dims shard
+            if ka == "S" and sdim[a] in later:
+                continue  # not the innermost mesh dim sharding that dim: no step off it is legal
+            n = mesh_shape[i]
+            for b in range(len(cands)):
+                if b == a:
+                    continue
+                kind = _KIND_OF_STEP.get((ka, kinds[b]))
+                if kind is None or (kinds[b] == "S" and sdim[b] in later):
+                    continue
+                split = 0
+                if kind in _SPLITS:  # the dim being split, in the largest local shard of this state
+                    split = shape[sdim[b]]
+                    for j, c in enumerate(state):
+                        if sdim[c] == sdim[b]:
+                            split = chunk_range(split, mesh_shape[j], 0)[1]
+                new_cost = cost + _kind_cost(kind, local, n, split)
+                new_state = state[:i] + (b,) + state[i + 1:]
+                if new_cost < best.get(new_state, float("inf")):
+                    best[new_state] = new_cost
+                    heapq.heappush(heap, (new_cost, tie, new_state, steps + ((i, a, b, kind),)))
+                    tie += 1
+    raise ValueError(
+        f"redistribute: no legal path from {placements_str(src)} to {placements_str(dst)} "
+        f"for a tensor of shape {tuple(shape)} on a mesh of shape {tuple(mesh_shape)}"
+    )
+
+
+
+
+def _steps_cost(spec: DTensorSpec, steps) -> float:
+    """Bytes received by the rank that receives most over the whole plan (group steps know
+    each rank's share; a single-mesh-dim step is priced by its largest shard, for every rank)."""
+    flat = 0.0
+    per_rank = None
+    state = list(spec.placements)
+    itemsize = _itemsize(spec.dtype)
+    for s in steps:
+        if isinstance(s, GroupStep):
+            per_rank = list(s.costs) if per_rank is None else [a + b for a, b in zip(per_rank, s.costs)]
+            state = list(s.dst)
+        else:
+            flat += _step_cost(spec.shape, spec.mesh_shape, tuple(state), s.mesh_dim, s.dst, itemsize)
+            state[s.mesh_dim] = s.dst
+    return flat + (max(per_rank) if per_rank else 0.0)
+
+
+def all_coords(mesh_shape) -> list[tuple[int, ...]]:
+    return list(itertools.product(*(range(n) for n in mesh_shape)))
+
+
+def _any_strided(*states) -> bool:
+    return any(is_strided(p) for st in states for p in st)
+
+
+def _best_plan(spec: DTensorSpec, src: tuple, dst: tuple) -> tuple:
+    """The cheaper of the single-mesh-dim plan and the plans with steps over flattened groups
+    (a reduction over all Partial dims at once, then an exchange); single-dim steps win ties (the
+    plain collectives need no per-atom packing).  Strided shards move by group steps only (the
+    single-dim steps assume each shard is one contiguous chunk of its parent)."""
+    cands = []
+    if not _any_strided(src, dst):
+        try:
+            cands.append(_dijkstra(spec, src, dst))
+        except ValueError:
+            pass
+    cands.extend(_group_plans(spec, src, dst))
+    if not cands:
+        raise ValueError(
+            f"redistribute: no legal path from {placements_str(src)} to {placements_str(dst)} "
+            f"for a tensor of shape {tuple(spec.shape)} on a mesh of shape {tuple(spec.mesh_shape)}")
+    costs = [_steps_cost(spec, c) for c in cands]
+    least = min(costs)
+    # among the plans that receive the least bytes: the fewest collectives (latencies), then the
+    # fewest exchanges (their per-atom packing costs more CPU than a plain collective's), then the
+    # first found (single-mesh-dim steps first)
+    tied = [k for k, c in enumerate(costs) if c <= least * (1 + 1e-6) + 1.0]
+    k = min(tied, key=lambda k: (_n_collectives(cands[k]), sum(s.kind == "exchange" for s in cands[k]), k))
+    return cands[k]
+
+
+def _n_collectives(steps) -> int:
+    return sum(1 for s in steps if s.kind not in ("slice", "zero"))
+
+
+def _partials_to_reduce(src: tuple, dst: tuple) -> list[int]:
+    """Mesh dims whose Partial the transition must reduce (not kept as the same Partial)."""
+    return [i for i, p in enumerate(src) if isinstance(p, Partial) and not placement_equal(p, dst[i])]
+
+
+def _group_plans(spec: DTensorSpec, src: tuple, dst: tuple) -> list[tuple]:
+    """Candidate plans built from GroupSteps (none on a 1-D mesh: single steps are optimal)."""
+    strided = _any_strided(src, dst)
+    if len(src) < 2 and not strided:
+        return []
+    red = _partials_to_reduce(src, dst)
+    out = []
+    if not red:
+        ex = _exchange_steps(spec, src, dst)
+        if ex is not None:
+            out.append(ex)
+        if not strided:
+            out.extend(_gather_plans(spec, src, dst))
+        return out
+    ops = {src[i].reduce_op for i in red}
+    if len(ops) != 1 and not ops <= {"sum", "avg"}:
+        return out  # max/min mixed with other reductions do not commute: one mesh dim at a time
+    for mid, step in _reductions(spec, src, tuple(red)):
+        if mid == dst:
+            out.append((step,))
+            continue
+        rest = _exchange_steps(spec, mid, dst)
+        if rest is not None:
+            out.append((step, *rest))
+        if not _any_strided(mid, dst):
+            try:
+                out.append((step, *_dijkstra(spec, mid, dst)))
+            except ValueError:
+                pass
+    return out
+
+
+def _gather_plans(spec: DTensorSpec, src: tuple, dst: tuple) -> list[tuple]:
+    """Plans that start with ONE all_gather over the flattened group of the innermost mesh dims
+    sharding a tensor dim (``(S0, S0) -> (R, R)`` in one collective and one latency, instead of
+    two all_gathers), then go on with single-dim steps."""
+    out = []
+    for d in range(len(spec.shape)):
+        dims = [i for i, p in enumerate(src) if isinstance(p, Shard) and p.dim == d]
+        for k in range(len(dims) - 1):
+            group = tuple(dims[k:])  # a suffix: nothing after it shards d, so it is innermost
+            if not all(type(dst[i]) is not Shard or dst[i].dim != d for i in group):
+                continue  # keep the gather for dims whose target still shards d
+            mid = tuple(_R if i in group else p for i, p in enumerate(src))
+            step = GroupStep(group, src, mid, "all_gather", _flat_gather_costs(spec, src, group))
+            if mid == dst:
+                out.append((step,))
+                continue
+            try:
+                out.append((step, *_dijkstra(spec, mid, dst)))
+            except ValueError:
+                pass
+    return out
+
+
+def _flat_gather_costs(spec: DTensorSpec, src: tuple, group: tuple) -> tuple[float, ...]:
+    """Bytes each rank receives in a flattened all_gather: the k-1 other pieces, each padded to
+    the group's largest (the same padding the collective moves)."""
+    itemsize = _itemsize(spec.dtype)
+    shape, mesh_shape = spec.shape, spec.mesh_shape
+    k = 1
+    for i in group:
+        k *= mesh_shape[i]
+    costs = []
+    for c in all_coords(mesh_shape):
+        largest = max(L.box_numel(L.rank_box(shape, mesh_shape, src, m)) for m in L.group_coords(mesh_shape, group, c))
+        costs.append((k - 1) * largest * itemsize)
+    return tuple(costs)
+
+
+def _reductions(spec: DTensorSpec, src: tuple, red: tuple):
+    """(state after, GroupStep) for one reduction of the Partial dims ``red`` (flattened): an
+    all_reduce to Replicate, or a reduce_scatter onto each tensor dim it may legally shard.  Sums
+    and averages mix (a sum over the group, scaled by 1/size of the averaged dims)."""
+    itemsize = _itemsize(spec.dtype)
+    shape, mesh_shape = spec.shape, spec.mesh_shape
+    coords = all_coords(mesh_shape)
+    k = 1
+    for i in red:
+        k *= mesh_shape[i]
+    mid = tuple(_R if i in red else p for i, p in enumerate(src))
+    ring = tuple(2 * (k - 1) / k * L.box_numel(L.rank_box(shape, mesh_shape, src, c)) * itemsize for c in coords)
+    yield mid, GroupStep(red, src, mid, "all_reduce", ring)
+    for d in range(len(spec.shape)):
+        # the new shards nest after every mesh dim already sharding d (spec.py's convention)
+        if any(isinstance(p, Shard) and p.dim == d and i > red[0] for i, p in enumerate(src)):
+            continue
+        if any(is_strided(p) and p.dim == d for p in src):
+            continue  # the pieces of a strided dim are not nested chunks: reduce, then exchange
+        mid = tuple(Shard(d) if i in red else p for i, p in enumerate(src))
+        # each rank receives the k-1 other terms of the piece it keeps (pieces may differ)
+        pieces = tuple((k - 1) * L.box_numel(L.rank_box(shape, mesh_shape, mid, c)) * itemsize for c in coords)
+        yield mid, GroupStep(red, src, mid, "reduce_scatter", pieces)
+
+
+def _exchange_steps(spec: DTensorSpec, src: tuple, dst: tuple):
+    """``(GroupStep,)`` for an exchange from ``src`` to ``dst`` (Shard/Replicate changes; Partial
+    dims must be equal in both and stay outside the group), over the smallest group of mesh
+    dims that holds everything its members need; None when impossible or a no-op."""
+    if src == dst:
+        return None
+    pdims = [i for i, p in enumerate(src) if isinstance(p, Partial)]
+    if any(not placement_equal(src[i], dst[i]) for i in pdims):
+        return None
+    # new Partial dims: exchange to Replicate there, then zero locally (R -> P costs nothing)
+    zero = [i for i, p in enumerate(dst) if isinstance(p, Partial) and i not in pdims]
+    if zero:
+        target = tuple(_R if i in zero else p for i, p in enumerate(dst))
+        head = _exchange_steps(spec, src, target) if target != src else ()
+        if head is None:
+            return None
+        return (*head, *(Step(i, _R, dst[i], "zero") for i in zero))
+    free = [i for i in range(len(src)) if i not in pdims]
+    changed = [i for i in free if not placement_equal(src[i], dst[i])]
+    mesh_shape = spec.mesh_shape
+    for extra in range(len(free) - len(changed) + 1):
+        for more in itertools.combinations([i for i in free if i not in changed], extra):
+            dims = tuple(sorted(changed + list(more)))
+            costs = exchange_costs(spec.shape, mesh_shape, src, dst, dims)
+            if costs is not None:
+                itemsize = _itemsize(spec.dtype)
+                return (GroupStep(dims, src, dst, "exchange", tuple(c * itemsize for c in costs)),)
+    return None
+
+
+def _cost_1d(shape, n: int, src: Placement, dst: Placement, itemsize: int) -> float:
+    """transition_cost on a 1-D mesh without building Steps: what _step_cost charges for the direct
+    step, or for the two steps through Replicate (S -> P, P(a) -> P(b))."""
+    numel = 1
+    for v in shape:
+        numel *= v
+    ts, td = type(src), type(dst)
+    if ts is Shard or (ts is not Replicate and ts is not Partial and isinstance(src, Shard)):
+        size = shape[src.dim]
+        local = (-(-size // n) * (numel // size) if size else 0) * itemsize  # the largest chunk
+        if td is Replicate or (td is not Partial and td is not Shard and isinstance(dst, Replicate)):
+            return (n - 1) * local
+        if td is Shard or (td is not Partial and isinstance(dst, Shard)):
+            return _split_cost(local, shape[dst.dim], n)
+        return (n - 1) * local + 0.01 * numel * itemsize + 1.0  # all_gather, then zero (-> Partial)
+    full = numel * itemsize
+    if ts is Replicate or (ts is not Partial and isinstance(src, Replicate)):
+        return 0.01 * full + 1.0  # a local slice or zeroing
+    # Partial source
+    if td is Replicate or (td is not Shard and isinstance(dst, Replicate)):
+        return 2 * (n - 1) * full / n
+    if td is Shard or (td is not Partial and isinstance(dst, Shard)):
+        return _split_cost(full, shape[dst.dim], n)
+    return 2 * (n - 1) * full / n + 0.01 * full + 1.0  # all_reduce, then zero (P(a) -> P(b))
+
+
+def _split_cost(local: float, length: int, n: int) -> float:
+    """Bytes received when a shard of ``local`` bytes is split n ways along a dim of ``length``
+    (reduce_scatter, all_to_all): n-1 pieces the size of the largest, as _step_cost prices it."""
+    if not length:
+        return 0.01 * local + 1.0
+    return (n - 1) * local * (-(-length // n)) / length
+
+
+def transition_cost(spec: DTensorSpec, dst: Sequence[Placement]) -> float:
+    """Bytes received per rank by the planned transition (what the dispatcher minimises)."""
+    dst = tuple(dst)
+    src = spec.placements
+    if dst == src:
+        return 0.0
+    if len(dst) == 1 and not _any_strided(src, dst):  # one mesh dim (the common case): priced inline
+        return _cost_1d(spec.shape, spec.mesh_shape[0], src[0], dst[0], _itemsize(spec.dtype))
+    return _steps_cost(spec, plan(spec, dst))
+
+
+def plan_text(spec: DTensorSpec, dst: Sequence[Placement]) -> str:
+    """Human-readable plan, one step per line (used by debug.explain and expecttest tests)."""
+    steps = plan(spec, dst)
+    head = f"{placements_str(spec.placements)} -> {placements_str(tuple(dst))}"
+    if not steps:
+        return head + ": no-op"
+    return "\n".join([head + ":"] + [f"  {s}" for s in steps])

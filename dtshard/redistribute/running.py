@@ -1,0 +1,272 @@
+"""Running a planned redistribute on this rank's local tensor (:func:`redistribute_local`): one
+function per step kind, packing and unpacking through ``dtshard_kernels``, large transfers through
+:mod:`~dtshard.redistribute.pipelining`."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import dtshard_kernels as K
+import torch
+from torch.distributed.tensor.placement_types import Placement
+
+from dtshard import collectives as C
+from dtshard import layout as L
+from dtshard.redistribute.packing import copied, note_padding, numel_except, parent_length, reduce_terms, region, with_length
+from dtshard.redistribute.pipelining import (all_gather_pipelined, all_to_all_pipelined, pipe_for,
+                                             reduce_scatter_pipelined)
+from dtshard.redistribute.planning import GroupStep, Step, plan
+from dtshard.spec import DTensorSpec, chunk_range, chunk_sizes, local_shape
+
+__all__ = ["redistribute_local"]
+
+
+def _all_gather(x, spec, state, i, coord, d, pipe=None):
+    n = spec.mesh_shape[i]
+    sizes = chunk_sizes(parent_length(spec, state, i, coord, d), n)
+    block = sizes[0]
+    if block == 0 or numel_except(x.shape, d) == 0:
+        return x.new_zeros(with_length(x.shape, d, sum(sizes)))
+    even = all(s == block for s in sizes)
+    if even and d == 0:
+        return C.all_gather(x, spec.mesh, i)  # lands in place: no copy at all
+    if pipe is not None:
+        return all_gather_pipelined(x, spec, i, d, sizes, pipe)
+    if x.shape[d] == block:
+        buf = x.unsqueeze(0)  # a full chunk needs no padding
+    else:
+        note_padding(spec, d, sizes)
+        buf = copied("pack", K.pack(x, d, [x.shape[d]], block))  # pad the short chunk
+    gathered = C.all_gather(buf, spec.mesh, i)  # (n, *block shape)
+    if d == 0:
+        # torch.chunk layout: full chunks first, then one short chunk, then empty ones, so all
+        # padding sits after the data: a narrow of the gathered buffer is the result
+        return gathered.view(-1, *gathered.shape[2:]).narrow(0, 0, sum(sizes))
+    return copied("unpack", K.unpack(gathered, d, sizes))
+
+
+def _reduce_scatter(x, spec, i, me, op, d):
+    return _reduce_scatter_sizes(x, spec, i, me, op, d, chunk_sizes(x.shape[d], spec.mesh_shape[i]))
+
+
+def _reduce_scatter_sizes(x, spec, group, me, op, d, sizes):
+    """Reduce ``x`` over ``group`` (a mesh dim, or a tuple of them flattened); member ``g`` keeps
+    the ``sizes[g]`` rows of dim ``d`` that follow the previous members' (shards nest in order)."""
+    block, mine = max(sizes), sizes[me]
+    if x.numel() == 0:
+        return x.new_zeros(with_length(x.shape, d, mine))
+    if d == 0 and all(s == block for s in sizes):
+        return C.reduce_scatter(x, op, spec.mesh, group)
+    if any(s != block for s in sizes):
+        # uneven pieces: padded to the largest, every rank would receive (k-1) x the largest
+        # piece; an all_to_all of the exact pieces, then a local reduction, receives only the
+        # k-1 other terms of the piece this rank keeps
+        return _reduce_by_all_to_all(x, spec, group, op, d, sizes, me)
+    # the packed rows are passed without keeping a name for them here: the collective drops
+    # its reference once the backend has the data, so the buffer does not outlive the wait
+    out = C.reduce_scatter(_packed_rows(x, d, sizes, block), op, spec.mesh, group)
+    out = out.view(with_length(x.shape, d, block))
+    if mine != block:
+        out = copied("slice", K.slice_copy(out, d, 0, mine))
+    return out
+
+
+def _reduce_by_all_to_all(x, spec, group, op, d, sizes, me):
+    n = len(sizes)
+    per = numel_except(x.shape, d)
+    flat = x.reshape(-1) if (x.is_contiguous() and all(v == 1 for v in x.shape[:d])) else \
+        copied("pack", K.a2a_pack(x, d, sizes))
+    recv = C.all_to_all(flat, [sizes[me] * per] * n, [v * per for v in sizes], spec.mesh, group)
+    del flat
+    return reduce_terms(recv.view(n, *with_length(x.shape, d, sizes[me])), op)
+
+
+def _packed_rows(x, d, sizes, block):
+    """``x`` split along ``d`` into ``sizes`` chunks, each padded to ``block``, stacked along dim 0
+    and flattened into rows: ``(n * block, ...)`` for a dim-0 collective."""
+    buf = copied("pack", K.pack(x, d, sizes, block))  # (n, *block shape)
+    return buf.view(buf.shape[0] * buf.shape[1], *buf.shape[2:])
+
+
+def _all_to_all(x, spec, state, i, coord, d, e, pipe=None):
+    n = spec.mesh_shape[i]
+    me = coord[i]
+    sizes_d = chunk_sizes(parent_length(spec, state, i, coord, d), n)
+    sizes_e = chunk_sizes(x.shape[e], n)
+    piece = with_length(x.shape, e, sizes_e[me])  # what each peer sends me, but for its dim-d length
+    out_shape = with_length(piece, d, sum(sizes_d))
+    # skip the collective only on conditions every rank of the group agrees on
+    if numel_except(x.shape, d, e) == 0 or sum(sizes_d) == 0 or x.shape[e] == 0:
+        return x.new_zeros(out_shape)
+    if pipe is not None:
+        return all_to_all_pipelined(x, spec, i, me, d, e, sizes_d, sizes_e, piece, out_shape, pipe)
+    if x.is_contiguous() and all(s == 1 for s in x.shape[:e]):
+        flat = x.reshape(-1)  # split along the outermost non-trivial dim: already in send order
+    else:
+        flat = copied("pack", K.a2a_pack(x, e, sizes_e))
+    per_e = numel_except(x.shape, e)
+    per_d = numel_except(piece, d)
+    recv = C.all_to_all(flat, [s * per_d for s in sizes_d], [s * per_e for s in sizes_e], spec.mesh, i)
+    del flat  # the send buffer is dead: free it before the unpack allocates the output
+    if all(s == 1 for s in piece[:d]):
+        return recv.view(out_shape)  # joined along the outermost non-trivial dim: already in order
+    return copied("unpack", K.a2a_unpack(recv, list(piece), d, sizes_d))
+
+
+def _slice(x, spec, i, me, d):
+    start, length = chunk_range(x.shape[d], spec.mesh_shape[i], me)
+    if length == x.shape[d]:
+        return x
+    if x.is_contiguous() and all(s == 1 for s in x.shape[:d]):
+        return x.narrow(d, start, length)  # a contiguous view: no copy needed
+    return copied("slice", K.slice_copy(x, d, start, length))
+
+
+def _run_step(x: torch.Tensor, spec: DTensorSpec, state: list, step: Step, coord) -> torch.Tensor:
+    i, src, dst, kind = step.mesh_dim, step.src, step.dst, step.kind
+    if spec.mesh_shape[i] == 1:
+        return x  # one rank on this mesh dim: every transition is the identity
+    if kind == "all_gather":
+        return _all_gather(x, spec, state, i, coord, src.dim, pipe_for(x, spec, state, step))
+    if kind == "all_reduce":
+        return C.all_reduce(x, src.reduce_op, spec.mesh, i)
+    if kind == "reduce_scatter":
+        pipe = pipe_for(x, spec, state, step)
+        out = None if pipe is None else reduce_scatter_pipelined(x, spec, i, coord[i], src.reduce_op, dst.dim, pipe)
+        return out if out is not None else _reduce_scatter(x, spec, i, coord[i], src.reduce_op, dst.dim)
+    if kind == "all_to_all":
+        return _all_to_all(x, spec, state, i, coord, src.dim, dst.dim, pipe_for(x, spec, state, step))
+    if kind == "slice":
+        return _slice(x, spec, i, coord[i], dst.dim)
+    if kind == "zero":
+        # R -> P: reduce(locals) must equal the value. For sum only one rank keeps it (exact,
+        # also for integers), the others hold zeros; for product likewise, the others hold ones;
+        # avg, max and min keep it everywhere.
+        if dst.reduce_op == "sum" and coord[i] != 0:
+            return torch.zeros_like(x)
+        if dst.reduce_op == "product" and coord[i] != 0:
+            return torch.ones_like(x)
+        return x
+    raise AssertionError(f"unknown step kind {kind}")
+
+
+def _run_group_step(x: torch.Tensor, spec: DTensorSpec, step: GroupStep, coord) -> torch.Tensor:
+    dims = step.mesh_dims
+    if step.kind in ("all_reduce", "reduce_scatter"):
+        ops = {step.src[i].reduce_op for i in dims}
+        op = ops.pop() if len(ops) == 1 else "sum"  # sums mixed with averages: sum, then scale
+        if step.kind == "all_reduce":
+            out = C.all_reduce(x, op, spec.mesh, dims)
+        else:
+            d = step.dst[dims[0]].dim
+            sizes = [local_shape(spec.shape, spec.mesh_shape, step.dst, c)[d]
+                     for c in L.group_coords(spec.mesh_shape, dims, coord)]
+            out = _reduce_scatter_sizes(x, spec, dims, C.group_rank(spec.mesh, dims), op, d, sizes)
+        if len(ops) > 0:  # mixed: divide by the size of the averaged dims
+            n_avg = 1
+            for i in dims:
+                if step.src[i].reduce_op == "avg":
+                    n_avg *= spec.mesh_shape[i]
+            out = out / n_avg if out.is_floating_point() or out.is_complex() else out // n_avg
+        return out
+    if step.kind == "exchange":
+        return _exchange(x, spec, step, coord)
+    if step.kind == "all_gather":
+        return _flat_all_gather(x, spec, step, coord)
+    raise AssertionError(f"unknown group step kind {step.kind}")
+
+
+def _flat_all_gather(x: torch.Tensor, spec: DTensorSpec, step: GroupStep, coord) -> torch.Tensor:
+    """All-gather tensor dim ``d`` over the flattened group of the mesh dims that shard it last:
+    group rank order is the nesting order of their chunks, so the pieces, padded to the largest,
+    concatenate (unpadded) into the parent chunk."""
+    dims = step.mesh_dims
+    d = step.src[dims[0]].dim
+    sizes = [local_shape(spec.shape, spec.mesh_shape, step.src, c)[d]
+             for c in L.group_coords(spec.mesh_shape, dims, coord)]
+    block = max(sizes)
+    if block == 0 or numel_except(x.shape, d) == 0:
+        return x.new_zeros(with_length(x.shape, d, sum(sizes)))
+    if d == 0 and all(v == block for v in sizes):
+        return C.all_gather(x, spec.mesh, dims)  # lands in place
+    if x.shape[d] == block:
+        buf = x.unsqueeze(0)
+    else:
+        note_padding(spec, d, sizes)
+        buf = copied("pack", K.pack(x, d, [x.shape[d]], block))
+    gathered = C.all_gather(buf, spec.mesh, dims)  # (k, *block shape)
+    if d == 0:
+        # pieces nest in order with any short ones last in each parent: drop each piece's padding
+        if all(v == block for v in sizes[:-1]) or sum(sizes) == block * len(sizes):
+            return gathered.view(-1, *gathered.shape[2:]).narrow(0, 0, sum(sizes))
+    return copied("unpack", K.unpack(gathered, d, sizes))
+
+
+_exchange_plans: dict = {}
+
+
+def _exchange(x: torch.Tensor, spec: DTensorSpec, step: GroupStep, coord) -> torch.Tensor:
+    """One all_to_all over the flattened group: each rank sends each peer exactly the atoms the
+    peer lacks and it holds (dtshard.layout), and copies what it keeps."""
+    key = (spec.shape, spec.mesh_shape, step.src, step.dst, step.mesh_dims, coord)
+    ep = _exchange_plans.get(key)
+    if ep is None:
+        ep = _exchange_plans[key] = L.exchange_plan(spec.shape, spec.mesh_shape, step.src, step.dst,
+                                                    step.mesh_dims, coord)
+    out = x.new_empty(ep.dst_shape)
+    for t in ep.keeps:
+        region(out, t.dst_slices).copy_(region(x, t.src_slices))
+    if not ep.any_traffic:  # the same answer on every member of the group
+        return out
+    if ep.gather:
+        # every member needs every other member's whole shard (a strided gather): one all_gather
+        # of the shards as they are, then each member's atoms copied out of its shard
+        gathered = C.all_gather(x.contiguous().reshape(-1), spec.mesh, step.mesh_dims).view(len(ep.recvs), -1)
+        for g, ts in enumerate(ep.recvs):
+            if ts:
+                shard = gathered[g].view(ep.src_shapes[g])
+                for t in ts:
+                    region(out, t.dst_slices).copy_(region(shard, t.src_slices))
+        return out
+    pieces = [region(x, t.src_slices).reshape(-1) for ts in ep.sends for t in ts]
+    send = torch.cat(pieces) if pieces else x.new_empty(0)
+    recv = C.all_to_all(send, ep.recv_sizes(), ep.send_sizes(), spec.mesh, step.mesh_dims)
+    off = 0
+    for ts in ep.recvs:
+        for t in ts:
+            region(out, t.dst_slices).copy_(recv[off:off + t.numel].view([n for _, n in t.dst_slices]))
+            off += t.numel
+    return out
+
+
+def redistribute_local(x: torch.Tensor, spec: DTensorSpec, dst: Sequence[Placement],
+                       async_op: bool = False) -> torch.Tensor:
+    """Run the planned transition on this rank's local tensor ``x`` (no autograd).  With
+    ``async_op`` the LAST step's collective may still be in flight when this returns (its result
+    an ``AsyncCollectiveTensor``, waited on first use); earlier steps need their data anyway."""
+    steps = plan(spec, dst)
+    if not steps:
+        return x
+    coord = C.mesh_coordinate(spec.mesh)
+    state = list(spec.placements)
+    for k, step in enumerate(steps):
+        last = async_op and k == len(steps) - 1
+        with C.in_flight() if last else _NO_CONTEXT:
+            if isinstance(step, GroupStep):
+                x = _run_group_step(x, spec, step, coord)
+                state = list(step.dst)
+                continue
+            x = _run_step(x, spec, state, step, coord)
+        state[step.mesh_dim] = step.dst
+    return x
+
+
+class _NoContext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NO_CONTEXT = _NoContext()
