@@ -21,7 +21,7 @@ from dtshard.propagate import Plan, _run_meta, _Slot, lookup, propagate
 from dtshard.redistribute import redistribute_local
 from dtshard.spec import DTensorSpec, contiguous_strides, placements_str
 
-__all__ = ["dispatch", "dispatch_planned", "clear_cache", "cache_info", "mixed_error", "MixedTensorError",
+__all__ = ["torch_dispatch", "dispatch", "dispatch_planned", "clear_cache", "cache_info", "mixed_error", "MixedTensorError",
            "unwrap_call", "local_args", "cached_plan", "redistribute_input"]
 
 _cache: dict[tuple, Plan] = {}
@@ -233,6 +233,7 @@ def _handler_entry(op, fn):
 
 def _reload_handlers() -> None:
     _handlers.clear()
+    _handlers[id(_DETACH)] = _detach  # its rule's plan without the lookup (a registered handler wins)
     _handlers.update({id(op): _handler_entry(op, fn) for op, fn in registry.handlers.items()})
 
 
@@ -242,7 +243,9 @@ def _registry_changed(*, plans: bool = True, only=None) -> None:
     if only is not None:
         for op in only:
             fn = registry.handlers.get(op)
-            if fn is None:
+            if fn is None and op is _DETACH:
+                _handlers[id(op)] = _detach
+            elif fn is None:
                 _handlers.pop(id(op), None)
             else:
                 _handlers[id(op)] = _handler_entry(op, fn)
@@ -267,8 +270,6 @@ def _keys_scalar_types(op) -> bool:
     return hit
 
 
-registry._on_change.append(_registry_changed)
-_registry_changed()
 
 
 def cache_info() -> dict:
@@ -289,7 +290,8 @@ def mixed_error(op, t: torch.Tensor) -> MixedTensorError:
 def _unwrap(op, a, dts: list, key: list, DT) -> Any:
     """Replace DTensors by _Slot markers (for propagation) while building the cache key."""
     if isinstance(a, DT):
-        key.append(a._spec)
+        s = a._spec
+        key.append(s._token or s.token())
         dts.append(a)
         return _Slot(len(dts) - 1)
     if isinstance(a, torch.Tensor):
@@ -321,8 +323,9 @@ def _local(a, locals_: list) -> Any:
 def unwrap_call(op, args: tuple, kwargs: dict) -> tuple[list, list, dict, list]:
     """``(dts, margs, mkwargs, key)``: the call's DTensors in order, its arguments with each
     DTensor replaced by a slot (what the planner reads), and the plan-cache key as a list
-    (``op``, every spec and every non-tensor argument).  Raises :class:`MixedTensorError` for a
-    plain tensor that is not 0-d."""
+    (``op``, every spec's :class:`~dtshard.spec.SpecToken` and every non-tensor argument).
+    Raises :class:`MixedTensorError` for a plain tensor that is not 0-d, TypeError for a spec
+    that cannot be hashed."""
     DT = _DT
     dts: list = []
     key: list = [id(op)]
@@ -368,67 +371,106 @@ _promote_plain: Any = None  # dtshard.tensor._promote_plain, bound with the clas
 _op_output: Any = None  # dtshard.tensor._op_output, bound with the class
 
 
-def dispatch(op, args: tuple, kwargs: dict):
-    """Run aten ``op`` on DTensor arguments (called from DTensor.__torch_dispatch__).
+def torch_dispatch(cls, op, types, args=(), kwargs=None):
+    """``DTensor.__torch_dispatch__`` itself (bound as the classmethod, one Python frame fewer):
+    run aten ``op`` on DTensor arguments.
 
-    Fast path (a cache hit with flat arguments): one walk over the args builds the cache key and
-    the local args together; then the local call and the wrap.  Anything else (misses, tensor
-    lists, plain 0-d tensors, tensor kwargs) goes through :func:`dispatch_planned`, which builds
-    the same key.
+    Fast path (a cache hit with flat arguments): one walk over the args builds the cache key
+    (each DTensor's spec stands in as its :class:`~dtshard.spec.SpecToken`, hashed and compared
+    in C) and the local args together; then the local call and the wrap.  Anything else (misses,
+    tensor lists, plain 0-d tensors, tensor kwargs) goes through :func:`dispatch_planned`, which
+    builds the same key.  Ops with a handler, and ``detach``, take their entry in ``_handlers``.
     """
-    if op is _DETACH and not _observers:  # every step, for every parameter (AccumulateGrad)
-        out = _detach(args[0])
-        if out is not None:
-            return out
-    # ops are process-lifetime singletons and OpOverload.__hash__ is Python-level: key by id
-    handler = _handlers.get(id(op))
+    oid = id(op)  # ops are process-lifetime singletons, and OpOverload.__hash__ is Python-level
+    handler = _handlers.get(oid)
     if handler is not None:
-        return handler(op, args, kwargs)
+        return handler(op, args, kwargs or {})
     DT = _DT
-    key: list = [id(op)]
+    key: list = [oid]
     largs: list = []
-    pos: list = []  # index in largs of each DTensor arg
-    dts: list = []
-    types_only = _scalar_types.get(id(op))
+    types_only = _scalar_types.get(oid)
     if types_only is None:
         types_only = _keys_scalar_types(op)
-    for a in args:
-        if isinstance(a, DT):
-            key.append(a._spec)
-            pos.append(len(largs))
-            dts.append(a)
-            largs.append(a._local_tensor)
-        elif isinstance(a, torch.Tensor):
-            return dispatch_planned(op, args, kwargs)
-        elif isinstance(a, (list, tuple)):
-            for b in a:
-                if isinstance(b, torch.Tensor):
-                    return dispatch_planned(op, args, kwargs)
-            key.append(tuple(a))
-            largs.append(a)
-        else:
-            key.append(type(a) if types_only and type(a) in _NUMBER_TYPES else a)
-            largs.append(a)
-    for k, v in kwargs.items():
-        if isinstance(v, (torch.Tensor, list, tuple)):
-            return dispatch_planned(op, args, kwargs)
-        key.append(k)
-        key.append(type(v) if types_only and type(v) in _NUMBER_TYPES else v)
     try:
+        for a in args:
+            if isinstance(a, DT):
+                s = a._spec
+                key.append(s._token or s.token())
+                largs.append(a._local_tensor)
+            elif isinstance(a, torch.Tensor):
+                return dispatch_planned(op, args, kwargs or {})
+            elif isinstance(a, (list, tuple)):
+                for b in a:
+                    if isinstance(b, torch.Tensor):
+                        return dispatch_planned(op, args, kwargs or {})
+                key.append(tuple(a))
+                largs.append(a)
+            else:
+                key.append(type(a) if types_only and type(a) in _NUMBER_TYPES else a)
+                largs.append(a)
+        if kwargs:
+            for k, v in kwargs.items():
+                if isinstance(v, (torch.Tensor, list, tuple)):
+                    return dispatch_planned(op, args, kwargs)
+                key.append(k)
+                key.append(type(v) if types_only and type(v) in _NUMBER_TYPES else v)
+        else:
+            kwargs = _NO_KWARGS
         plan = _cache.get(tuple(key))
-    except TypeError:
+    except TypeError:  # an unhashable argument or spec: the general path plans without caching
         plan = None
     if plan is None or plan.mode == "out":
-        return dispatch_planned(op, args, kwargs)
+        return dispatch_planned(op, args, kwargs or {})
     _stats["hits"] += 1
     if _observers:
-        _observe(op, plan, [d._spec for d in dts])
+        _observe(op, plan, [a._spec for a in args if isinstance(a, DT)])
     spec = plan._simple_out
     if spec is not None:  # functional, one tensor out, nothing to move, not a view: call and wrap
-        return _op_output(plan.local_op(*largs, **kwargs), spec)
+        out = plan.local_op(*largs, **kwargs)
+        # a functional op's output is a fresh tensor: no lazy conjugate / negative bit to copy
+        r = _make_wrapper(DT, spec.shape, spec.stride, None, None, spec.dtype, out.layout, out.device)
+        r._local_tensor = out
+        r._spec = spec
+        return r
+    spec = plan._view_out
+    if spec is not None:  # a view that stays a view of its base's shard: no bookkeeping to do
+        base = args[0]
+        if type(base) is DT and base._copied_view is None and not torch.is_inference_mode_enabled():
+            for idx, shape in plan.shape_overrides:
+                largs[idx] = shape
+            out = plan.local_op(*largs, **kwargs)
+            if type(out) is torch.Tensor:
+                r = _make_wrapper(DT, spec.shape, spec.stride, None, None, spec.dtype, out.layout, out.device)
+                r._local_tensor = out
+                r._spec = spec
+                if out.is_conj():  # a view keeps its base's lazy conjugate / negative bits
+                    torch._C._set_conj(r, True)
+                if out.is_neg():
+                    torch._C._set_neg(r, True)
+                return r
+            return _wrap_view(op, plan, base, out)
+    return _run_cached(op, plan, args, largs, kwargs)
+
+
+def dispatch(op, args: tuple, kwargs: dict):
+    """Run aten ``op`` on DTensor arguments (what ``DTensor.__torch_dispatch__`` does; handlers
+    and layout extensions call it to hand an op back to the dispatcher)."""
+    return torch_dispatch(None, op, None, args, kwargs)
+
+
+_NO_KWARGS: dict = {}  # never written: the fast path passes it as ``**kwargs`` for a call without
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+
+
+def _run_cached(op, plan, args, largs, kwargs):
+    """A cached plan that is not the simplest kind: move inputs, override shape arguments, write
+    in place, or wrap a view or several outputs."""
+    DT = _DT
+    dts = [a for a in args if isinstance(a, DT)]
     if plan.mode == "inplace" and args[0]._copied_view is not None:
         raise _write_to_copied_view(op, args[0])
     if plan._redistributes:
+        pos = [k for k, a in enumerate(args) if isinstance(a, DT)]
         for k, t in enumerate(plan.input_targets):
             if t is not None:
                 largs[pos[k]] = redistribute_input(op, dts[k], t)
@@ -452,12 +494,14 @@ def dispatch(op, args: tuple, kwargs: dict):
 _DETACH = torch.ops.aten.detach.default
 
 
-def _detach(a):
-    """``detach`` of a plain-layout DTensor: the same spec over the detached shard (what its plan,
-    the identity rule, gives), without the plan lookup; None: take the general path (layout
-    extension data, or inference mode, where :func:`_wrap_view` decides how the wrapper is made)."""
-    if type(a) is not _DT or a._spec.extra is not None or torch.is_inference_mode_enabled():
-        return None
+def _detach(op, args, kwargs):
+    """``detach`` (every step, for every parameter: AccumulateGrad) of a plain-layout DTensor: the
+    same spec over the detached shard (what its plan, the identity rule, gives), without the plan
+    lookup.  Anything else (layout extension data, inference mode, where :func:`_wrap_view`
+    decides how the wrapper is made, an observer watching plans) takes the general path."""
+    a = args[0] if len(args) == 1 and not kwargs else None
+    if type(a) is not _DT or a._spec.extra is not None or _observers or torch.is_inference_mode_enabled():
+        return dispatch_planned(op, args, kwargs)
     out = _op_output(a._local_tensor.detach(), a._spec)
     if a._copied_view is not None:
         out._copied_view = a._copied_view
@@ -698,4 +742,7 @@ def _wrap(out, specs, DT):
     return out
 
 
-hooks.runtime_entry_points(dispatch, dispatch_planned)  # every DTensor op re-enters these
+registry._on_change.append(_registry_changed)
+_registry_changed()
+
+hooks.runtime_entry_points(torch_dispatch, dispatch, dispatch_planned)  # every DTensor op re-enters these

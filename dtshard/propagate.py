@@ -95,6 +95,12 @@ class Plan:
         if (self.mode == "functional" and not self.is_view and not self._redistributes and not self.shape_overrides
                 and len(self.out_specs) == 1 and self.out_specs[0] is not None and facts.one_tensor_out):
             self._simple_out = self.out_specs[0]
+        #: the output spec of a view that stays a view: functional, one tensor out, nothing moves
+        #: (the dispatcher then only fills the local shape arguments and wraps)
+        self._view_out = None
+        if (self.is_view and not self._redistributes and len(self.out_specs) == 1 and self.out_specs[0] is not None
+                and facts.one_tensor_out):
+            self._view_out = self.out_specs[0]
 
     def describe(self, in_specs: Sequence[DTensorSpec]) -> str:
         lines = [f"{self.op}  cost={self.cost:.0f}B" + ("  (fallback to Replicate)" if self.fallback else "")]

@@ -23,6 +23,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 __all__ = [
     "DTensorSpec",
+    "SpecToken",
     "TensorMeta",
     "Region",
     "chunk_range",
@@ -329,6 +330,23 @@ class TensorMeta:
         return n
 
 
+class SpecToken:
+    """A spec's stand-in in the dispatcher's plan-cache keys: ONE token per class of equal specs
+    (:meth:`DTensorSpec.token`).  Hashing and comparing a token is a C-level identity operation,
+    where a spec's own ``__hash__`` / ``__eq__`` are Python calls, once per DTensor argument per
+    op.  A token never equals anything but itself (not a number, not a tuple), so a key position
+    that holds a DTensor in one call and another argument in the next can never match."""
+
+    __slots__ = ()
+
+
+#: the token of every class of equal specs, by the spec's key (:meth:`DTensorSpec._key`); bounded:
+#: when full it starts afresh, and specs made before keep their old tokens, which stay unique (a
+#: token is never handed out twice), so a reset costs plan-cache misses, never a wrong plan
+_tokens: dict[tuple, SpecToken] = {}
+_TOKENS_LIMIT = 100_000
+
+
 @dataclass(frozen=True, eq=False)
 class DTensorSpec:
     """Immutable description of a distributed tensor's layout.
@@ -363,6 +381,23 @@ class DTensorSpec:
             object.__setattr__(self, "_eqkey", k)
         return k
 
+    #: the spec's :class:`SpecToken` once :meth:`token` made it (a class attribute until then)
+    _token = None
+
+    def token(self) -> SpecToken:
+        """This spec's :class:`SpecToken` (equal specs, equal tokens), made once per spec object.
+        Raises TypeError for a spec that cannot be hashed (symbolic shapes while tracing)."""
+        t = self._token
+        if t is None:
+            k = self._key()
+            t = _tokens.get(k)
+            if t is None:
+                if len(_tokens) >= _TOKENS_LIMIT:
+                    _tokens.clear()
+                t = _tokens[k] = SpecToken()
+            object.__setattr__(self, "_token", t)
+        return t
+
     def __hash__(self) -> int:
         h = self.__dict__.get("_hash")
         if h is None:
@@ -375,8 +410,10 @@ class DTensorSpec:
 
     def __getstate__(self) -> dict:
         # pickling (torch.save, deepcopy): the fields only.  The cached hash covers the mesh's
-        # identity (its process group names), which a load in another process may not share.
-        return {k: v for k, v in self.__dict__.items() if k not in ("_hash", "_eqkey", "_mesh_shape", "_has_strided")}
+        # identity (its process group names), which a load in another process may not share; a
+        # token belongs to this process's plan cache.
+        return {k: v for k, v in self.__dict__.items()
+                if k not in ("_hash", "_eqkey", "_mesh_shape", "_has_strided", "_token")}
 
     # ---- derived metadata -------------------------------------------------------------------
     @property

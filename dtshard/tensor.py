@@ -21,7 +21,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from dtshard import collectives as C
 from dtshard import hooks
 from dtshard._config import config
-from dtshard.dispatch import bind_tensor_class, dispatch, resolved_local
+from dtshard.dispatch import bind_tensor_class, resolved_local, torch_dispatch
 from dtshard.redistribute import redistribute_local
 from dtshard.spec import (DTensorSpec, TensorMeta, contiguous_strides, global_stride_from_local, is_shard, mesh_identity, normalize_placements,
                           placements_equal, placements_str)
@@ -225,9 +225,8 @@ class DTensor(torch.Tensor):
             + (f", {self._spec.extra})" if self._spec.extra is not None else ")")
         )
 
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return dispatch(func, args, kwargs or {})
+    #: every aten op on a DTensor: the dispatcher's entry itself (dtshard.dispatch.torch_dispatch)
+    __torch_dispatch__ = classmethod(torch_dispatch)
 
     # ---- torch.compile support -----------------------------------------------------------
     def __tensor_flatten__(self):
@@ -552,8 +551,9 @@ def _op_output(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
     the dispatcher's wrap of an op's output (its hot path), without the constructor's call
     overhead and its extension-data and leaf branches, which never apply there; the conjugate /
     negative bits still do."""
-    r = _make_wrapper(DTensor, spec.shape, strides=spec.stride, dtype=spec.dtype, device=local.device,
-                      layout=local.layout, requires_grad=False)
+    # positional: (size, strides, storage_offset, memory_format, dtype, layout, device), the
+    # Python argument parser's cheapest form
+    r = _make_wrapper(DTensor, spec.shape, spec.stride, None, None, spec.dtype, local.layout, local.device)
     r._local_tensor = local
     r._spec = spec
     if local.is_conj():
@@ -830,7 +830,7 @@ def _hook_arity(fn: Callable, what: str) -> int:
 hooks.runtime_entry_points(
     DTensor.__torch_dispatch__, DTensor.__new__, DTensor.__tensor_flatten__, DTensor.__tensor_unflatten__,
     DTensor.__coerce_same_metadata_as_tangent__, DTensor.__coerce_tangent_metadata__,
-    DTensorSpec.__eq__, DTensorSpec.__hash__,
+    DTensorSpec.__eq__, DTensorSpec.__hash__, DTensorSpec.token,
     _FromLocal.backward, _ToLocal.backward, _Redistribute.backward, _RedistributeCast.backward,
     _settle_grad, _grad_as_dtensor,
 )
