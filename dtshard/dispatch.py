@@ -53,13 +53,14 @@ class MixedTensorError(RuntimeError):
         self.tensor = tensor
 
 
-def _guarded(handler, keeps_strided: bool, keeps_layout_data: bool):
+def _guarded(handler, keeps_strided: bool, keeps_layout_data: bool, tensor_lists: bool = True):
     """``handler`` behind ONE pass over its arguments (this runs before every handler call):
     on a rank outside the arguments' mesh the op is a no-op (:func:`_non_member`); DTensors that
     hold strided shards reach it as plain ``Shard`` layouts (:func:`_plain_layouts`) unless it
     ``keeps_strided``; DTensors whose layout carries extension data (``spec.extra``) reach it
     without (the data's layout extension strips it), unless it ``keeps_layout_data``.
-    Everything else calls it straight away."""
+    Everything else calls it straight away.  List arguments are searched for DTensors only when
+    the op has a tensor-list argument (``tensor_lists``)."""
     plain = handler if keeps_strided else _plain_layouts(handler)
 
     def guarded(op, args, kwargs):
@@ -76,7 +77,7 @@ def _guarded(handler, keeps_strided: bool, keeps_layout_data: bool):
                     extra = s.extra
                 elif s.has_strided:
                     strided = True
-            elif type(a) is list or type(a) is tuple:
+            elif tensor_lists and (type(a) is list or type(a) is tuple):
                 for x in a:
                     if isinstance(x, DT):
                         if first:
@@ -228,7 +229,7 @@ def clear_cache(*, plans: bool = True) -> None:
 def _handler_entry(op, fn):
     """The dispatcher's table entry for ``op``'s handler ``fn`` (wrapped in its layout guards)."""
     return _guarded(fn, op in registry.strided_handlers or op not in registry._entries,
-                    op in registry.layout_data_handlers)
+                    op in registry.layout_data_handlers, registry.op_facts(op).tensor_lists)
 
 
 def _reload_handlers() -> None:

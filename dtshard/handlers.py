@@ -39,10 +39,10 @@ from dtshard.dispatch import MixedTensorError, mixed_error, redistribute_input, 
 from dtshard.dispatch import dispatch_planned as planned
 from dtshard.redistribute import redistribute_local
 from dtshard.spec import DTensorSpec, contiguous_strides
-from dtshard.tensor import DTensor
+from dtshard.tensor import DTensor, op_output
 
 __all__ = ["DTensor", "MixedTensorError", "bind", "check_dtensors", "make_spec", "meta_run",
-           "mixed_error", "op_context", "planned", "to_local", "wrap"]
+           "mixed_error", "op_context", "op_output", "planned", "to_local", "wrap"]
 
 
 def bind(op, args: Sequence, kwargs: dict) -> list:
@@ -87,6 +87,8 @@ def to_local(dt, target: Sequence[Placement], op=None) -> torch.Tensor:
 
 def wrap(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
     """A DTensor of this rank's ``local`` shard laid out as ``spec`` (the handler's output)."""
+    if spec.extra is None:
+        return op_output(local, spec)  # the constructor without its leaf and layout-data branches
     return DTensor(local, spec, requires_grad=False)
 
 

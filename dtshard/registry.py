@@ -90,6 +90,9 @@ class OpFacts(NamedTuple):
     returns_view: bool
     #: the op returns exactly one Tensor
     one_tensor_out: bool
+    #: some argument is a list of tensors (``cat``'s, ``_foreach_*``'s): only then can a list
+    #: argument hold a DTensor
+    tensor_lists: bool
 
 
 _facts: dict = {}
@@ -114,6 +117,8 @@ def op_facts(op: torch._ops.OpOverload) -> OpFacts:
             mode=mode,
             returns_view=alias is not None and not alias.is_write,
             one_tensor_out=len(returns) == 1 and str(returns[0].type) == "Tensor",
+            tensor_lists=any(str(a.type).startswith(("Tensor[]", "List[Tensor]", "Tensor?[]", "List[Optional[Tensor]]"))
+                             for a in args),
         )
     return hit
 

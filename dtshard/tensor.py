@@ -26,7 +26,7 @@ from dtshard.redistribute import redistribute_local
 from dtshard.spec import (DTensorSpec, TensorMeta, contiguous_strides, global_stride_from_local, is_shard, mesh_identity, normalize_placements,
                           placements_equal, placements_str)
 
-__all__ = ["DTensor", "distribute_tensor", "distribute_module"]
+__all__ = ["DTensor", "distribute_tensor", "distribute_module", "op_output"]
 
 
 def mesh_or_current(device_mesh: Optional[DeviceMesh], what: str) -> DeviceMesh:
@@ -546,7 +546,7 @@ def _check_from_local(local: torch.Tensor, spec: DTensorSpec) -> None:
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 
 
-def _op_output(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
+def op_output(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
     """``DTensor(local, spec, requires_grad=False)`` for a spec without layout-extension data:
     the dispatcher's wrap of an op's output (its hot path), without the constructor's call
     overhead and its extension-data and leaf branches, which never apply there; the conjugate /
@@ -563,7 +563,7 @@ def _op_output(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
     return r
 
 
-bind_tensor_class(DTensor, _promote_plain, _op_output)
+bind_tensor_class(DTensor, _promote_plain, op_output)
 
 # ``torch.load``'s default ``weights_only=True`` unpickles only allowlisted classes: dtshard's DTensor
 # and its spec join the ones ``torch.distributed.tensor`` registers for its own DTensor (DeviceMesh,

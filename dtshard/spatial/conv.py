@@ -57,7 +57,7 @@ from typing import Sequence
 import torch
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-from dtshard.handlers import DTensor, bind, check_dtensors, make_spec, meta_run, op_context, to_local, wrap
+from dtshard.handlers import DTensor, bind, check_dtensors, make_spec, meta_run, op_context, op_output, to_local, wrap
 from dtshard.spatial import halo
 from dtshard import collectives as C
 from dtshard._config import config
@@ -244,7 +244,7 @@ class _ConvPlan(_Plan):
 
     __slots__ = ("x_target", "w_target", "b_target", "plans", "stride", "padding", "dilation", "local_padding",
                  "local_output_padding", "out_spec", "out_local_shape", "path", "modes", "coord", "w_k", "overlap",
-                 "halo")
+                 "halo", "local_only")
 
 
 _conv_plans_cache: dict = {}
@@ -257,18 +257,23 @@ def _tup(v):
 def _conv_key(args, kwargs):
     """The cache key of a forward convolution call (all 9 arguments positional, as
     ``F.conv*d`` passes them, and the halo depth policy), or None (then the slow path plans and
-    checks everything)."""
+    checks everything).  Specs stand in as their tokens (``DTensorSpec.token``: hashed in C)."""
     if kwargs or len(args) != 9:
         return None
     x, w, bias, stride, padding, dilation, transposed, output_padding, groups = args
     if type(x) is not DTensor or type(w) is not DTensor or not (bias is None or type(bias) is DTensor):
         return None
+    try:
+        specs = (x._spec._token or x._spec.token(), w._spec._token or w._spec.token(),
+                 None if bias is None else bias._spec._token or bias._spec.token())
+    except TypeError:  # a spec that cannot be hashed (symbolic shapes while tracing)
+        return None
     try:  # F.conv*d passes lists
-        return (x._spec, w._spec, None if bias is None else bias._spec, tuple(stride), tuple(padding),
-                tuple(dilation), transposed, tuple(output_padding), groups, SL.get_halo_depth())
+        return (*specs, tuple(stride), tuple(padding), tuple(dilation), transposed, tuple(output_padding), groups,
+                SL.get_halo_depth())
     except TypeError:  # an int where aten allows one
-        return (x._spec, w._spec, None if bias is None else bias._spec, _tup(stride), _tup(padding),
-                _tup(dilation), transposed, _tup(output_padding), groups, SL.get_halo_depth())
+        return (*specs, _tup(stride), _tup(padding), _tup(dilation), transposed, _tup(output_padding), groups,
+                SL.get_halo_depth())
 
 
 @register_handler(aten.convolution.default, keeps_layout_data=True)
@@ -278,6 +283,12 @@ def convolution_handler(op, args, kwargs):
     binding, mode table or window arithmetic per call."""
     plan, bound = _cached_plan(_conv_plans_cache, _conv_key(args, kwargs), _plan_convolution, op, args, kwargs)
     x, w, bias, _, _, _, transposed, output_padding, groups = bound
+    if plan.local_only and x._spec.extra is None:  # batch / channel sharded: the local op alone
+        out = op(x._local_tensor, w._local_tensor, None if bias is None else bias._local_tensor, plan.stride,
+                 plan.local_padding, plan.dilation, transposed, output_padding, groups)
+        if out.shape == plan.out_local_shape:
+            return op_output(out, plan.out_spec)
+        return _checked(op, out, plan)  # raises: never a mislabelled shard
     if SL.stale(x):
         SL.fresh(x)  # written in place since: its halo is dropped (so a new plan key)
         return convolution_handler(op, args, kwargs)
@@ -484,8 +495,12 @@ def _plan_convolution(op, args, kwargs) -> _ConvPlan:
     halo_plan = HC.forward_plan(x._spec, out_spec, modes, stride, padding, dilation, tuple(w.shape), groups,
                                 transposed, coord, x_target is None and target(w, "w") is None
                                 and target(bias, "bias") is None)
-    return _ConvPlan(x_target=x_target, w_target=target(w, "w"), b_target=target(bias, "bias"), plans=plans,
-                     overlap=overlap, halo=halo_plan,
+    w_target, b_target = target(w, "w"), target(bias, "bias")
+    # nothing to move, exchange or assemble: the call is the local op on the shards as they are
+    local_only = (x_target is None and w_target is None and b_target is None and not plans and halo_plan is None
+                  and path == "local" and overlap is None)
+    return _ConvPlan(x_target=x_target, w_target=w_target, b_target=b_target, plans=plans,
+                     overlap=overlap, halo=halo_plan, local_only=local_only,
                      stride=stride, padding=padding, dilation=dilation, local_padding=local_padding, local_output_padding=local_output_padding, out_spec=out_spec,
                      out_local_shape=out_local_shape, path=path, modes=modes, coord=coord, w_k=list(w.shape[2:]))
 
@@ -538,7 +553,12 @@ def _conv_backward_key(args, kwargs):
     g, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, mask = args
     if type(g) is not DTensor or type(x) is not DTensor or type(w) is not DTensor:
         return None
-    return (g._spec, x._spec, w._spec, None if bias_sizes is None else _tup(bias_sizes), _tup(stride),
+    try:
+        specs = (g._spec._token or g._spec.token(), x._spec._token or x._spec.token(),
+                 w._spec._token or w._spec.token())
+    except TypeError:  # a spec that cannot be hashed (symbolic shapes while tracing)
+        return None
+    return (*specs, None if bias_sizes is None else _tup(bias_sizes), _tup(stride),
             _tup(padding), _tup(dilation), transposed, _tup(output_padding), groups, tuple(bool(m) for m in mask))
 
 

@@ -15,7 +15,7 @@ import torch
 from dtshard import collectives as C
 from dtshard import dispatch as D
 from dtshard import hooks
-from dtshard.spec import DTensorSpec
+from dtshard.spec import SpecToken
 from dtshard.spatial import halo_layout as L
 from dtshard.spatial.halo_layout import Halo, halo_partial, halos, with_halo
 from dtshard.propagate import propagate
@@ -146,8 +146,11 @@ def stripped(op, args: tuple, kwargs: dict, handler=None):
 
 
 def _plain_plan(op, args, kwargs, dts, margs, mkwargs, key):
-    """The plan of the call without its halos: the dispatcher's own, shared with its cache."""
-    pkey = tuple(k.plain if isinstance(k, DTensorSpec) else k for k in key)
+    """The plan of the call without its halos: the dispatcher's own, shared with its cache (under
+    the key of the same call on the plain specs: each spec's token swapped for its plain spec's;
+    a key that kept a halo spec's token would hand the plain plan to the halo tensors)."""
+    plain = {d._spec.token(): d._spec.plain.token() for d in dts}
+    pkey = tuple(plain.get(k, k) if type(k) is SpecToken else k for k in key)
     return D.cached_plan(pkey, lambda: propagate(op, args, kwargs, [d._spec.plain for d in dts], margs, mkwargs))
 
 
