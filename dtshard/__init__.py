@@ -19,7 +19,8 @@ from dtshard.factories import empty, full, ones, rand, randn, zeros
 from dtshard.propagate import NoMetaKernelError, NoRuleError, RuleError, config
 from dtshard.registry import OpCall, override, register_handler, register_rule
 from dtshard.spec import DTensorSpec, TensorMeta
-from dtshard.tensor import DTensor, distribute_module, distribute_tensor
+from dtshard.distribute import distribute_module, distribute_tensor
+from dtshard.tensor import DTensor
 
 __all__ = [
     "DTensor",

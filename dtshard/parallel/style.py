@@ -29,7 +29,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from dtshard.parallel._linear import TPLinearCall
-from dtshard.tensor import DTensor, distribute_module, distribute_tensor
+from dtshard.distribute import distribute_module, distribute_tensor
+from dtshard.tensor import DTensor
 
 __all__ = [
     "ParallelStyle",

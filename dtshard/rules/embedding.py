@@ -42,7 +42,8 @@ from dtshard.collectives import mesh_coordinate
 from dtshard.handlers import make_spec, mixed_error, to_local, wrap
 from dtshard.registry import register_handler
 from dtshard.spec import local_shape_and_offset
-from dtshard.tensor import DTensor, distribute_tensor
+from dtshard.distribute import distribute_tensor
+from dtshard.tensor import DTensor
 
 aten = torch.ops.aten
 _R = Replicate()

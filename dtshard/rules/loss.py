@@ -27,7 +27,8 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from dtshard.handlers import make_spec, mixed_error, to_local, wrap
 from dtshard.registry import register_handler
 from dtshard.rules._common import norm_dim
-from dtshard.tensor import DTensor, distribute_tensor
+from dtshard.distribute import distribute_tensor
+from dtshard.tensor import DTensor
 
 aten = torch.ops.aten
 _NONE, _MEAN, _SUM = 0, 1, 2

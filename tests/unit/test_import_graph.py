@@ -151,7 +151,7 @@ LAYERS = {
     3: ["redistribute.*", "spatial.halo"],
     4: ["propagate"],
     5: ["dispatch", "tensor"],
-    6: ["handlers", "factories", "composites", "experimental", "debug", "grad_buckets", "parallel._linear"],
+    6: ["handlers", "distribute", "factories", "composites", "experimental", "debug", "grad_buckets", "parallel._linear"],
     7: ["rules.*", "spatial.*", "parallel.*", "fsdp.*"],
     8: ["dtshard", "demo.*", "testing"],
 }
