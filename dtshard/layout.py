@@ -140,33 +140,49 @@ def _slices(atom: Box, region: Region) -> tuple[tuple[int, int], ...]:
     return tuple((_local_start(alo, ivs), ahi - alo) for (alo, ahi), ivs in zip(atom, region))
 
 
-def _group_assignment(shape, mesh_shape, src, dst, dims, coord):
+def _group_assignment(shape, mesh_shape, src, dst, dims, coord, red=()):
     """For the group of ``coord``: per member, its (source box, target box), and per receiver the
-    list of (atom, sender index); None when some needed atom is held by no member."""
+    list of (atom, sender index); None when some needed atom is held by no member.
+
+    ``red``: Partial mesh dims (inside ``dims``) whose terms the exchange reduces: a receiver then
+    needs each atom once from EVERY value of the coordinates on ``red`` (one term each), so the
+    members are searched per such value; its own term of an atom it holds is one of them."""
     members = group_coords(mesh_shape, dims, coord)
     sboxes = [rank_box(shape, mesh_shape, src, c) for c in members]
     tboxes = [rank_box(shape, mesh_shape, dst, c) for c in members]
     cuts = _cuts(sboxes + tboxes, len(shape))
+    if red:  # the members that hold each term: one class per coordinate on the red dims
+        classes: dict = {}
+        for p, c in enumerate(members):
+            classes.setdefault(tuple(c[d] for d in red), []).append(p)
+        terms = list(classes.values())
+    else:
+        terms = [list(range(len(members)))]
     needs = []
     for q, tb in enumerate(tboxes):
         got = []
         if box_numel(tb):
             for atom in _atoms_of(tb, cuts):
-                if _inside(atom, sboxes[q]):
-                    got.append((atom, q))
-                    continue
-                p = next((p for p, sb in enumerate(sboxes) if _inside(atom, sb)), None)
-                if p is None:
-                    return None
-                got.append((atom, p))
+                for holders in terms:
+                    if q in holders and _inside(atom, sboxes[q]):
+                        got.append((atom, q))
+                        continue
+                    p = next((p for p in holders if _inside(atom, sboxes[p])), None)
+                    if p is None:
+                        return None
+                    got.append((atom, p))
         needs.append(got)
     return members, sboxes, tboxes, needs
 
 
-def exchange_plan(shape, mesh_shape, src, dst, dims: Sequence[int], coord) -> ExchangePlan | None:
+def exchange_plan(shape, mesh_shape, src, dst, dims: Sequence[int], coord, red: Sequence[int] = ()) -> ExchangePlan | None:
     """This rank's part of the exchange from ``src`` to ``dst`` over the group of ``dims``; None
-    when the group does not hold everything its members need (use a larger group)."""
-    got = _group_assignment(tuple(shape), tuple(mesh_shape), tuple(src), tuple(dst), tuple(dims), tuple(coord))
+    when the group does not hold everything its members need (use a larger group).  With ``red``
+    (Partial mesh dims of ``src`` inside ``dims``) it is a REDUCING exchange: every receiver gets
+    one term of each atom of its target per coordinate on ``red`` (its own among them, a keep) and
+    sums them; the same atom then appears in several transfers of the plan."""
+    got = _group_assignment(tuple(shape), tuple(mesh_shape), tuple(src), tuple(dst), tuple(dims), tuple(coord),
+                            tuple(red))
     if got is None:
         return None
     members, sboxes, tboxes, needs = got
@@ -190,7 +206,7 @@ def exchange_plan(shape, mesh_shape, src, dst, dims: Sequence[int], coord) -> Ex
                 recvs[p].append(t)
     dst_shape = tuple(sum(hi - lo for lo, hi in ivs) for ivs in tboxes[me])
     src_numel = [box_numel(b) for b in sboxes]
-    gather = traffic and len(set(src_numel)) == 1 and src_numel[0] > 0 and all(
+    gather = not red and traffic and len(set(src_numel)) == 1 and src_numel[0] > 0 and all(
         sum(_atom_numel(a) for a, p in needs[q] if p == r) == src_numel[r]
         for q in range(len(members)) for r in range(len(members)) if r != q)
     src_shapes = tuple(tuple(sum(hi - lo for lo, hi in ivs) for ivs in b) for b in sboxes)
@@ -198,23 +214,24 @@ def exchange_plan(shape, mesh_shape, src, dst, dims: Sequence[int], coord) -> Ex
                         gather, src_shapes)
 
 
-def exchange_costs(shape, mesh_shape, src, dst, dims: Sequence[int]) -> tuple[int, ...] | None:
+def exchange_costs(shape, mesh_shape, src, dst, dims: Sequence[int], red: Sequence[int] = ()) -> tuple[int, ...] | None:
     """Elements each rank (by mesh coordinate, row-major) receives in the exchange over ``dims``
-    (the same answer on every rank: computed for every group of the mesh); None if some group
-    cannot do it alone."""
+    (reducing the Partial mesh dims ``red``, see :func:`exchange_plan`; the same answer on every
+    rank: computed for every group of the mesh); None if some group cannot do it alone."""
     key = (tuple(shape), tuple(mesh_shape), tuple(placement_key(p) for p in src),
-           tuple(placement_key(p) for p in dst), tuple(dims))
-    return memo(_costs_cache, key, lambda: _exchange_costs(shape, mesh_shape, src, dst, dims))
+           tuple(placement_key(p) for p in dst), tuple(dims), tuple(red))
+    return memo(_costs_cache, key, lambda: _exchange_costs(shape, mesh_shape, src, dst, dims, tuple(red)))
 
 
-def _exchange_costs(shape, mesh_shape, src, dst, dims):
+def _exchange_costs(shape, mesh_shape, src, dst, dims, red=()):
     got_by_coord = {}
     others = [d for d in range(len(mesh_shape)) if d not in dims]
     for outer in itertools.product(*(range(mesh_shape[d]) for d in others)):
         coord = [0] * len(mesh_shape)
         for d, v in zip(others, outer):
             coord[d] = v
-        got = _group_assignment(tuple(shape), tuple(mesh_shape), tuple(src), tuple(dst), tuple(dims), tuple(coord))
+        got = _group_assignment(tuple(shape), tuple(mesh_shape), tuple(src), tuple(dst), tuple(dims), tuple(coord),
+                                red)
         if got is None:
             return None
         members, _, _, needs = got

@@ -59,6 +59,9 @@ class GroupStep:
     ``reduce_scatter``: Partial on them -> Shard(d) on all of them (nested in mesh order);
     ``exchange``: any Shard/Replicate layout -> any other, as one ``all_to_all`` with per-rank split
     sizes in which each rank receives exactly what its new shard lacks (``dtshard.layout``);
+    ``reduce_exchange``: Partial (sums, averages) on some of them -> any Shard/Replicate layout, as
+    one such ``all_to_all`` in which each rank receives every other term of its new shard and sums
+    them (where no reduce_scatter can land, e.g. ``(P, S0) -> (S0, S0)``);
     ``all_gather``: Shard(d) on the innermost mesh dims sharding d -> Replicate on them, as one
     all_gather (one latency instead of one per mesh dim).
     ``cost``: bytes received by the rank that receives most (the same number on every rank).
@@ -313,7 +316,7 @@ def _best_plan(spec: DTensorSpec, src: tuple, dst: tuple) -> tuple:
     # fewest exchanges (their per-atom packing costs more CPU than a plain collective's), then the
     # first found (single-mesh-dim steps first)
     tied = [k for k, c in enumerate(costs) if c <= least * (1 + 1e-6) + 1.0]
-    k = min(tied, key=lambda k: (_n_collectives(cands[k]), sum(s.kind == "exchange" for s in cands[k]), k))
+    k = min(tied, key=lambda k: (_n_collectives(cands[k]), sum(s.kind in ("exchange", "reduce_exchange") for s in cands[k]), k))
     return cands[k]
 
 
@@ -343,6 +346,10 @@ def _group_plans(spec: DTensorSpec, src: tuple, dst: tuple) -> list[tuple]:
     ops = {src[i].reduce_op for i in red}
     if len(ops) != 1 and not ops <= {"sum", "avg"}:
         return out  # max/min mixed with other reductions do not commute: one mesh dim at a time
+    if ops <= {"sum", "avg"}:
+        rx = _reduce_exchange_steps(spec, src, dst, tuple(red))
+        if rx is not None:
+            out.append(rx)
     for mid, step in _reductions(spec, src, tuple(red)):
         if mid == dst:
             out.append((step,))
@@ -448,6 +455,30 @@ def _exchange_steps(spec: DTensorSpec, src: tuple, dst: tuple):
             if costs is not None:
                 itemsize = _itemsize(spec.dtype)
                 return (GroupStep(dims, src, dst, "exchange", tuple(c * itemsize for c in costs)),)
+    return None
+
+
+def _reduce_exchange_steps(spec: DTensorSpec, src: tuple, dst: tuple, red: tuple):
+    """``(GroupStep,)`` that reduces the Partial dims ``red`` (sums and averages) AND moves to
+    ``dst`` in ONE all_to_all whose receivers sum the terms: each rank receives one term of each
+    element of its target shard from every coordinate on ``red`` but its own, the least any plan
+    can receive (a reduce_scatter onto a tensor dim that a later mesh dim already shards, e.g.
+    ``(P, S0) -> (S0, S0)``, is impossible, and going through one costs a second collective).
+    None when ``dst`` keeps or adds a Partial the step cannot make, or no group holds the terms."""
+    kept = [i for i, p in enumerate(src) if isinstance(p, Partial) and i not in red]
+    if any(isinstance(p, Partial) and (i not in kept or not placement_equal(p, src[i])) for i, p in enumerate(dst)):
+        return None
+    if any(isinstance(p, Partial) for i, p in enumerate(src) if i in red and isinstance(dst[i], Partial)):
+        return None
+    free = [i for i in range(len(src)) if i not in kept]
+    changed = sorted(set(red) | {i for i in free if not placement_equal(src[i], dst[i])})
+    itemsize = _itemsize(spec.dtype)
+    for extra in range(len(free) - len(changed) + 1):
+        for more in itertools.combinations([i for i in free if i not in changed], extra):
+            dims = tuple(sorted(changed + list(more)))
+            costs = exchange_costs(spec.shape, spec.mesh_shape, src, dst, dims, red)
+            if costs is not None:
+                return (GroupStep(dims, src, dst, "reduce_exchange", tuple(c * itemsize for c in costs)),)
     return None
 
 

@@ -4,11 +4,12 @@ function per step kind, packing and unpacking through ``dtshard_kernels``, large
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import dtshard_kernels as K
 import torch
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Partial, Placement
 
 from dtshard import collectives as C
 from dtshard import layout as L
@@ -171,6 +172,8 @@ def _run_group_step(x: torch.Tensor, spec: DTensorSpec, step: GroupStep, coord) 
         return out
     if step.kind == "exchange":
         return _exchange(x, spec, step, coord)
+    if step.kind == "reduce_exchange":
+        return _reduce_exchange(x, spec, step, coord)
     if step.kind == "all_gather":
         return _flat_all_gather(x, spec, step, coord)
     raise AssertionError(f"unknown group step kind {step.kind}")
@@ -236,6 +239,48 @@ def _exchange(x: torch.Tensor, spec: DTensorSpec, step: GroupStep, coord) -> tor
         for t in ts:
             region(out, t.dst_slices).copy_(recv[off:off + t.numel].view([n for _, n in t.dst_slices]))
             off += t.numel
+    return out
+
+
+def _reduce_exchange(x: torch.Tensor, spec: DTensorSpec, step: GroupStep, coord) -> torch.Tensor:
+    """One all_to_all over the flattened group that reduces its Partial mesh dims on the way
+    (``planning._reduce_exchange_steps``): each rank receives, for every coordinate on those dims
+    but its own, the term of each element of its target shard, stacks them by coordinate (its own
+    term in its place) and sums the stack, so every rank adds the terms of an element in the same
+    order (replicas stay bit-identical).  Averages divide by the size of their mesh dims."""
+    dims = step.mesh_dims
+    red = tuple(i for i in dims if isinstance(step.src[i], Partial))
+    key = (spec.shape, spec.mesh_shape, step.src, step.dst, dims, coord, red)
+    ep = _exchange_plans.get(key)
+    if ep is None:
+        ep = _exchange_plans[key] = L.exchange_plan(spec.shape, spec.mesh_shape, step.src, step.dst, dims, coord, red)
+    members = L.group_coords(spec.mesh_shape, dims, coord)
+    red_shape = [spec.mesh_shape[i] for i in red]
+
+    def term(c) -> int:  # row-major index of a member's coordinates on the reduced dims
+        k = 0
+        for i, n in zip(red, red_shape):
+            k = k * n + c[i]
+        return k
+
+    terms = x.new_zeros((math.prod(red_shape), *ep.dst_shape))
+    mine = terms[term(coord)]
+    for t in ep.keeps:
+        region(mine, t.dst_slices).copy_(region(x, t.src_slices))
+    if ep.any_traffic:
+        pieces = [region(x, t.src_slices).reshape(-1) for ts in ep.sends for t in ts]
+        send = torch.cat(pieces) if pieces else x.new_empty(0)
+        recv = C.all_to_all(send, ep.recv_sizes(), ep.send_sizes(), spec.mesh, dims)
+        off = 0
+        for g, ts in enumerate(ep.recvs):
+            slot = terms[term(members[g])]
+            for t in ts:
+                region(slot, t.dst_slices).copy_(recv[off:off + t.numel].view([n for _, n in t.dst_slices]))
+                off += t.numel
+    out = reduce_terms(terms, "sum")
+    n_avg = math.prod(spec.mesh_shape[i] for i in red if step.src[i].reduce_op == "avg")
+    if n_avg > 1:
+        out = out / n_avg if out.is_floating_point() or out.is_complex() else out // n_avg
     return out
 
 

@@ -96,6 +96,12 @@ def minimum_received(shape, mesh_shape, src, dst) -> float:
         reduced = tuple(Shard(d) if m in red else p for m, p in enumerate(src))
         best = min(best, max((k - 1) * _numel(_box(shape, mesh_shape, reduced, c))
                              + _lacking(shape, mesh_shape, reduced, dst, c) for c in coords))
+    # one exchange whose receivers sum (sums and averages into a layout without Partial): a rank
+    # receives, for every element of its target, the k terms but the one it holds itself
+    if all(src[m].reduce_op in ("sum", "avg") for m in red) and not any(isinstance(p, Partial) for p in dst):
+        best = min(best, max(k * _numel(_box(shape, mesh_shape, dst, c))
+                             - _overlap(_box(shape, mesh_shape, dst, c), _box(shape, mesh_shape, src, c))
+                             for c in coords))
     return best
 
 
@@ -140,6 +146,17 @@ def _well_defined(src) -> bool:
 def all_transitions(mesh_ndim, tensor_ndim):
     states = [s for s in itertools.product(_placements(tensor_ndim), repeat=mesh_ndim)]
     return [(a, b) for a in states for b in states if _well_defined(a)]
+
+
+def partial_to_shard_transitions(mesh_ndim, tensor_ndim):
+    """Every pattern of Partial(sum) on some mesh dims -> Shard on more dims: sources with a
+    Partial(sum) on at least one mesh dim (Shard or Replicate on the others), targets of Shard
+    and Replicate with at least one Shard."""
+    plain = [Shard(d) for d in range(tensor_ndim)] + [Replicate()]
+    srcs = [s for s in itertools.product(plain + [Partial("sum")], repeat=mesh_ndim)
+            if any(isinstance(p, Partial) for p in s)]
+    dsts = [s for s in itertools.product(plain, repeat=mesh_ndim) if any(isinstance(p, Shard) for p in s)]
+    return [(a, b) for a in srcs for b in dsts]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,9 +243,13 @@ def test_every_transition_on_2x2(shape):
 
 @pytest.mark.parametrize("mesh_shape,shape", [((2, 3), (6, 5)), ((2, 4), (5, 8)), ((2, 2, 2), (4, 3))])
 def test_sampled_transitions_on_larger_meshes(mesh_shape, shape):
+    """400 sampled transitions, plus every Partial -> Shard pattern (issue #31 item 5: a Partial
+    on some mesh dims -> Shard on more dims in one reducing exchange at the minimum)."""
     rng = random.Random(f"{mesh_shape}{shape}")
     trans = all_transitions(len(mesh_shape), len(shape))
-    _check(mesh_shape, shape, rng.sample(trans, min(400, len(trans))))
+    sample = rng.sample(trans, min(400, len(trans)))
+    sample += [t for t in partial_to_shard_transitions(len(mesh_shape), len(shape)) if t not in set(sample)]
+    _check(mesh_shape, shape, sample)
 
 
 def test_minimum_examples():
@@ -239,6 +260,8 @@ def test_minimum_examples():
     assert minimum_received((4, 4), (2, 2), (R, S0), (S0, S0)) == 4  # the quarter a rank lacks
     assert minimum_received((4, 4), (2, 2), (S0, S0), (R, R)) == 12
     assert minimum_received((4, 4), (2, 2), (R, R), (S0, S1)) == 0
+    # rank (1, 0) keeps row 2 but holds rows 0-1 of its term: both terms of its 4 elements arrive
+    assert minimum_received((4, 4), (2, 2), (P, S0), (S0, S0)) == 8
 
 
 def _flattened_gathers():
