@@ -63,6 +63,11 @@ class config:
     #: rank's shard coordinates: shards still differ and replicas still agree, but the values
     #: change with the layout.  What "global" costs: benchmarks/bench_random.py.
     random_draws: str = "global"
+    #: Attention on a sequence-sharded DTensor (context parallelism, dtshard/rules/attention_cp.py):
+    #: "auto" picks the strategy that receives the fewest bytes per rank ("ulysses": sequence <->
+    #: heads all_to_alls, each tensor with its own heads; "allgather_kv": K and V gathered once,
+    #: with their own heads); naming one forces it where it applies (benchmarks, tests).
+    attention_cp: str = "auto"
     #: Debug/test switch: also run the meta kernel where a rule's ``meta`` function stands in for
     #: it, and raise RuleError when the two disagree (the OpInfo sweep turns this on).
     verify_meta: bool = False

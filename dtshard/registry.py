@@ -150,6 +150,9 @@ class RuleEntry:
 
 
 _entries: dict[torch._ops.OpOverload, RuleEntry] = {}
+#: handlers registered with ``before_rule=True``: they run first for an op that keeps its rule in
+#: ``_entries`` (the planner's), and hand the calls they do not take to it with ``planned``
+_fronts: dict[torch._ops.OpOverload, RuleEntry] = {}
 #: op -> handler function, for the dispatcher's first lookup (kept in sync with _entries)
 handlers: dict[torch._ops.OpOverload, Callable] = {}
 #: the handlers registered with ``keeps_strided=True``
@@ -169,7 +172,7 @@ def _changed(*, plans: bool = True, only=None) -> None:
     ``only``: just these ops' handlers changed (a scoped swap), rebuild their entries alone."""
     if only is not None:
         for op in only:
-            e = _entries.get(op)
+            e = _fronts.get(op) or _entries.get(op)
             fn = e.fn if e is not None and e.kind == "handler" else None
             for scope in _scoped:
                 fn = scope.get(op, fn)
@@ -180,12 +183,13 @@ def _changed(*, plans: bool = True, only=None) -> None:
         for fn in _on_change:
             fn(plans=False, only=only)
         return
+    fronted = [*((op, e) for op, e in _entries.items() if e.kind == "handler"), *_fronts.items()]
     handlers.clear()
-    handlers.update({op: e.fn for op, e in _entries.items() if e.kind == "handler"})
+    handlers.update({op: e.fn for op, e in fronted})
     strided_handlers.clear()
-    strided_handlers.update(op for op, e in _entries.items() if e.kind == "handler" and e.keeps_strided)
+    strided_handlers.update(op for op, e in fronted if e.keeps_strided)
     layout_data_handlers.clear()
-    layout_data_handlers.update(op for op, e in _entries.items() if e.kind == "handler" and e.keeps_layout_data)
+    layout_data_handlers.update(op for op, e in fronted if e.keeps_layout_data)
     for scope in _scoped:
         handlers.update(scope)
     for fn in _on_change:
@@ -198,7 +202,7 @@ def _where(fn: Callable) -> str:
 
 
 def _register(ops, fn, kind, shape_args=None, local=None, meta=None, keeps_strided=False, keeps_layout_data=False,
-              scalar_values=True) -> None:
+              scalar_values=True, before_rule=False) -> None:
     if isinstance(ops, torch._ops.OpOverload):
         ops = [ops]
     for op in ops:
@@ -206,13 +210,15 @@ def _register(ops, fn, kind, shape_args=None, local=None, meta=None, keeps_strid
             raise TypeError(
                 f"register_{kind} needs aten op overloads such as torch.ops.aten.mm.default, got {op!r}"
             )
-        old = _entries.get(op)
+        table = _fronts if before_rule else _entries
+        old = table.get(op)
         if old is not None:
             raise ValueError(
-                f"a {old.kind} for {op} is already registered at {old.source}; one op has one rule. "
+                f"a {'handler before the rule' if before_rule else old.kind} for {op} is already registered at "
+                f"{old.source}; one op has one rule (and at most one handler before it). "
                 f"Edit that one, or use dtshard.registry.override() in tests."
             )
-        _entries[op] = RuleEntry(op, fn, kind, dict(shape_args or {}), _where(fn), local, meta, keeps_strided,
+        table[op] = RuleEntry(op, fn, kind, dict(shape_args or {}), _where(fn), local, meta, keeps_strided,
                                  keeps_layout_data, scalar_values)
     _changed()
 
@@ -252,7 +258,8 @@ def register_rule(
     return deco
 
 
-def register_handler(ops, *, keeps_strided: bool = False, keeps_layout_data: bool = False) -> Callable:
+def register_handler(ops, *, keeps_strided: bool = False, keeps_layout_data: bool = False,
+                     before_rule: bool = False) -> Callable:
     """Decorator: ``fn(op, args, kwargs)`` runs the op on DTensor args itself (for ops whose math
     needs more than a placement choice). It may call other ops on DTensors and redistribute.
 
@@ -261,10 +268,16 @@ def register_handler(ops, *, keeps_strided: bool = False, keeps_layout_data: boo
     ``keeps_strided=True`` says it handles them (it uses only DTensor ops, or never looks at
     shard positions).  Likewise DTensors whose layout carries extension data (``spec.extra``,
     e.g. the neighbours' rows of :mod:`dtshard.spatial`) reach it without, unless
-    ``keeps_layout_data=True`` (it reads the data itself)."""
+    ``keeps_layout_data=True`` (it reads the data itself).
+
+    ``before_rule=True``: the op keeps its rule (``register_rule``), which the planner uses; this
+    handler runs first and takes the layouts it specialises (context parallelism's attention
+    strategies on a sharded sequence), handing every other call to the rule with
+    ``dtshard.handlers.planned``.  At most one such handler per op."""
 
     def deco(fn):
-        _register(ops, fn, "handler", keeps_strided=keeps_strided, keeps_layout_data=keeps_layout_data)
+        _register(ops, fn, "handler", keeps_strided=keeps_strided, keeps_layout_data=keeps_layout_data,
+                  before_rule=before_rule)
         return fn
 
     return deco

@@ -9,6 +9,7 @@ To add a rule see CONTRIBUTING.md: pick the family file, write a function of an 
 # dtshard/spatial/; it registers its rules and handlers here, in this order, like the others
 from dtshard.spatial import adaptive_pool  # noqa: F401,I001  (before misc: it has the real rules)
 from dtshard.rules import attention  # noqa: F401
+from dtshard.rules import attention_cp  # noqa: F401  (context parallelism: handlers before the attention rules)
 from dtshard.spatial import conv, pool  # noqa: F401  (spatial sharding through halo exchange)
 from dtshard.rules import (  # noqa: F401  (imported for their registrations)
     embedding,
