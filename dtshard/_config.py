@@ -66,8 +66,11 @@ class config:
     #: Attention on a sequence-sharded DTensor (context parallelism, dtshard/rules/attention_cp.py):
     #: "auto" picks the strategy that receives the fewest bytes per rank ("ulysses": sequence <->
     #: heads all_to_alls, each tensor with its own heads; "allgather_kv": K and V gathered once,
-    #: with their own heads); naming one forces it where it applies (benchmarks, tests).
+    #: with their own heads; "ring": K and V passed around the ring, the exchange under compute);
+    #: naming one forces it where it applies (benchmarks, tests).  "auto" gathers K and V whole
+    #: only up to ``attention_cp_gather_bytes`` per rank, else passes them around the ring.
     attention_cp: str = "auto"
+    attention_cp_gather_bytes: int = 256 * 2**20
     #: Debug/test switch: also run the meta kernel where a rule's ``meta`` function stands in for
     #: it, and raise RuleError when the two disagree (the OpInfo sweep turns this on).
     verify_meta: bool = False

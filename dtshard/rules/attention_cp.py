@@ -17,6 +17,12 @@ query's layout (``out`` and ``logsumexp`` sequence-sharded), whatever strategy r
   the kernel with the GLOBAL output and log-sum-exp (the slice of the full softmax), ``dq`` summed
   over blocks, ``dk``/``dv`` for every key (zeros past the rank's rows) reduced to their owners
   with one reduce_scatter each.  Received per rank, forward: ``(n-1)/n`` of K and V.
+- **ring**: K and V pass around the ring of the mesh dim, one block per step, each step's
+  exchange issued before the compute of the block in hand and waited after it (eagerly an
+  in-flight all_to_all; compiled, the wait sits after the block's compute in the graph), with the
+  same block arithmetic and merge as allgather_kv; a rank holds two blocks, never the whole K/V.
+  Backward: the blocks travel again, each with its gradient accumulator, and one last shift takes
+  the accumulators home.  Received per rank, forward: ``(n-1)/n`` of K and V in ``n - 1`` steps.
 - **ulysses**: q, k, v (and in backward ``out``, ``grad_out``, ``logsumexp``) move from sequence
   to heads with one all_to_all each, attention runs on whole sequences for ``H/n`` query and
   ``Hkv/n`` key/value heads, and the results move back.  Needs ``H`` and ``Hkv`` divisible by the
@@ -25,9 +31,8 @@ query's layout (``out`` and ``logsumexp`` sequence-sharded), whatever strategy r
 
 The cost (``_bytes``) is the bytes a rank receives in the forward, from global shapes only (the
 same on every rank, so every rank takes the same strategy); ``config.attention_cp`` forces one.
-Not here yet (issue #30): a pass-KV ring that overlaps the exchange with compute, masks that
-shape the exchange (sliding windows as halos), FlexAttention, and strided (load-balanced) causal
-layouts, which go to the rule.
+Not here yet (issue #30): masks that shape the exchange (sliding windows as halos), FlexAttention,
+strided (load-balanced) causal layouts, which go to the rule, and Ulysses x ring on two mesh dims.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ __all__ = ["choose_strategy"]
 aten = torch.ops.aten
 _FWD = aten._scaled_dot_product_flash_attention_for_cpu.default
 _BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
-STRATEGIES = ("ulysses", "allgather_kv")
+STRATEGIES = ("ulysses", "allgather_kv", "ring")
 
 
 def _seq_mesh_dim(q, k, v) -> int | None:
@@ -83,7 +88,7 @@ def _bytes(strategy: str, q, k, v, mesh_dim: int) -> float | None:
         if i != mesh_dim and type(p) is Shard:
             other *= q._spec.mesh_shape[i]
     item = q.element_size()
-    if strategy == "allgather_kv":
+    if strategy in ("allgather_kv", "ring"):
         return (n - 1) / n * (k.numel() + v.numel()) * item / other
     if strategy == "ulysses":
         h = q.dim() - 3
@@ -98,12 +103,26 @@ def _bytes(strategy: str, q, k, v, mesh_dim: int) -> float | None:
 
 def choose_strategy(q, k, v, mesh_dim: int) -> str | None:
     """The strategy for this call: ``config.attention_cp`` when it names one that applies, else
-    the one whose forward receives the fewest bytes per rank (ties: the first of STRATEGIES)."""
+    the one whose forward receives the fewest bytes per rank; ties go to the first of STRATEGIES
+    (all-gather of K/V before the ring: one collective instead of ``n - 1``), except that K and V
+    are not gathered whole when that would hold more than ``config.attention_cp_gather_bytes``
+    per rank (the ring holds two blocks)."""
     forced = config.attention_cp
     if forced != "auto":
         return forced if _bytes(forced, q, k, v, mesh_dim) is not None else None
     costs = [(c, s) for s in STRATEGIES if (c := _bytes(s, q, k, v, mesh_dim)) is not None]
+    if any(s == "ring" for _, s in costs) and _gathered_bytes(q, k, v, mesh_dim) > config.attention_cp_gather_bytes:
+        costs = [(c, s) for c, s in costs if s != "allgather_kv"]
     return min(costs, key=lambda cs: cs[0])[1] if costs else None
+
+
+def _gathered_bytes(q, k, v, mesh_dim: int) -> float:
+    """K and V gathered whole on one rank (their other mesh dims' shards kept)."""
+    other = 1
+    for i, p in enumerate(q._spec.placements):
+        if i != mesh_dim and type(p) is Shard:
+            other *= q._spec.mesh_shape[i]
+    return (k.numel() + v.numel()) * k.element_size() / other
 
 
 def _with(placements, mesh_dim: int, p) -> tuple:
@@ -123,37 +142,111 @@ def _rows(q, mesh_dim: int) -> tuple[int, int]:
     return offset[seq], offset[seq] + shape[seq]
 
 
-def _blocks(start: int, stop: int, kv_len: int, causal: bool):
-    """``(key start, key stop, causal)`` of the key blocks rows ``[start, stop)`` attend to."""
+def _pieces(start: int, stop: int, a: int, b: int, causal: bool):
+    """How query rows ``[start, stop)`` attend to keys ``[a, b)`` (global indices): a list of
+    ``(row, key_from, key_to, causal)``, from local row ``row`` on, keys relative to ``a``.  Causal:
+    keys before the rows are wholly visible (no mask); the diagonal part pairs rows and keys from
+    the same global index on (top-left aligned, as the kernel is); keys after the rows are masked
+    and never computed."""
     if not causal:
-        return [(0, kv_len, False)]
+        return [(0, 0, b - a, False)] if b > a else []
     out = []
-    if min(start, kv_len) > 0:
-        out.append((0, min(start, kv_len), False))  # before the rank's rows: wholly visible
-    if start < kv_len:
-        out.append((start, min(stop, kv_len), True))  # the diagonal block (top-left aligned)
+    visible = min(b, start)
+    if visible > a:
+        out.append((0, 0, visible - a, False))
+    d0, d1 = max(a, start), min(b, stop)
+    if d1 > d0:
+        out.append((d0 - start, d0 - a, d1 - a, True))
     return out
 
 
-def _merge(parts, out_dtype):
-    """Attention over key blocks from each block's ``(out, logsumexp)``: weights from the log-sum-
-    exps, accumulated in float32 (or float64) whatever the inputs' precision."""
-    acc = torch.float64 if out_dtype == torch.float64 else torch.float32
-    if len(parts) == 1:
-        return parts[0]
-    lse = parts[0][1].to(acc)
-    for _, l in parts[1:]:
-        lse = torch.logaddexp(lse, l.to(acc))
-    out = sum(o.to(acc) * torch.exp(l.to(acc) - lse).unsqueeze(-1) for o, l in parts)
-    return out.to(out_dtype), lse.to(parts[0][1].dtype)
+class _Merge:
+    """Attention over key blocks from each block's ``(out, logsumexp)`` on a suffix of the rows,
+    merged online through the log-sum-exps, accumulated in float32 (float64 for float64)."""
+
+    def __init__(self, ql, ev: int, lse_dtype):
+        self.dtype, self.lse_dtype = ql.dtype, lse_dtype
+        acc = torch.float64 if ql.dtype == torch.float64 else torch.float32
+        self.out = ql.new_zeros(tuple(ql.shape[:-1]) + (ev,), dtype=acc)
+        self.lse = ql.new_full(tuple(ql.shape[:-1]), float("-inf"), dtype=acc)
+
+    def add(self, row: int, o, lse) -> None:
+        old = self.lse[..., row:]
+        new = torch.logaddexp(old, lse.to(old.dtype))
+        acc = self.out[..., row:, :]
+        acc.mul_(torch.exp(old - new).unsqueeze(-1)).add_(o.to(acc.dtype) * torch.exp(lse.to(old.dtype) - new).unsqueeze(-1))
+        self.lse[..., row:] = new
+
+    def result(self):
+        return self.out.to(self.dtype), self.lse.to(self.lse_dtype)
 
 
-def _attend(op, ql, kl, vl, causal: bool, scale, start: int, stop: int):
-    """This rank's rows ``[start, stop)`` attended to the whole keys ``kl``/``vl``: block by block."""
-    parts = []
-    for a, b, c in _blocks(start, stop, kl.shape[-2], causal):
-        parts.append(op(ql, kl.narrow(-2, a, b - a), vl.narrow(-2, a, b - a), 0.0, c, scale=scale))
-    return _merge(parts, ql.dtype)
+def _forward_block(op, merge, ql, kb, vb, a, b, start, stop, causal, scale) -> None:
+    """Rows ``[start, stop)`` (``ql``) attended to the key block ``[a, b)`` (``kb``, ``vb``)."""
+    for row, k0, k1, c in _pieces(start, stop, a, b, causal):
+        o, lse = op(ql[..., row:, :], kb[..., k0:k1, :], vb[..., k0:k1, :], 0.0, c, scale=scale)
+        merge.add(row, o, lse)
+
+
+def _backward_block(op, grads, gl, ql, kb, vb, outl, lsel, a, b, start, stop, causal, scale):
+    """The gradients of rows ``[start, stop)`` against the key block ``[a, b)``: the kernel's
+    backward with the GLOBAL output and log-sum-exp (each block's slice of the full softmax),
+    added into ``grads = (dq, dk_block, dv_block)``."""
+    dq, dk, dv = grads
+    for row, k0, k1, c in _pieces(start, stop, a, b, causal):
+        gq, gk, gv = op(gl[..., row:, :], ql[..., row:, :], kb[..., k0:k1, :], vb[..., k0:k1, :],
+                        outl[..., row:, :], lsel[..., row:], 0.0, c, scale=scale)
+        dq[..., row:, :].add_(gq)
+        dk[..., k0:k1, :].add_(gk)
+        dv[..., k0:k1, :].add_(gv)
+
+
+def _chunks(t, mesh_dim: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of every rank's chunk of ``t``'s sequence along ``mesh_dim`` (the ranks
+    that share this rank's other coordinates), from metadata."""
+    spec = t._spec
+    coord = list(C.mesh_coordinate(spec.mesh))
+    seq = t.dim() - 2
+    out = []
+    for r in range(spec.mesh_shape[mesh_dim]):
+        coord[mesh_dim] = r
+        shape, offset = spec.local_shape_and_offset(coord)
+        out.append((offset[seq], offset[seq] + shape[seq]))
+    return out
+
+
+def _shift(ts, rows_in: int, mesh, mesh_dim: int, n: int, me: int):
+    """Send the tensors ``ts`` (same shape but for the sequence) to the next rank of the ring and
+    receive the previous rank's (``rows_in`` sequence rows each), as one all_to_all in flight:
+    returns ``(flat buffer, shapes)``, to be waited on with :func:`_arrived` after the compute it
+    overlaps."""
+    flat = torch.cat([t.reshape(-1) for t in ts]) if len(ts) > 1 else ts[0].reshape(-1)
+    shapes = [tuple(t.shape[:-2]) + (rows_in, t.shape[-1]) for t in ts]
+    ins, outs = [0] * n, [0] * n
+    ins[(me + 1) % n] = flat.numel()
+    outs[(me - 1) % n] = sum(_numel(sh) for sh in shapes)
+    with C.in_flight(graph=True):
+        buf = C.all_to_all(flat, outs, ins, mesh, mesh_dim)
+    return buf, shapes
+
+
+def _arrived(pending):
+    """The tensors of a :func:`_shift`, waited on."""
+    buf, shapes = pending
+    if torch.compiler.is_compiling():
+        buf = C.wait_in_graph(buf)
+    out, off = [], 0
+    for sh in shapes:
+        out.append(buf[off:off + _numel(sh)].view(sh))
+        off += _numel(sh)
+    return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
 
 
 @register_handler(_FWD, before_rule=True)
@@ -164,27 +257,48 @@ def sdpa_context_parallel(op, args, kwargs):
     strategy = None if i is None else choose_strategy(q, k, v, i)
     if strategy is None:
         return planned(op, args, kwargs)
-    placements = q._spec.placements
+    placements, causal = q._spec.placements, bool(is_causal)
     out_shape = tuple(q.shape[:-1]) + (v.shape[-1],)
+    lse_dtype = _lse_dtype(q.dtype)
     with op_context(op):
-        if strategy == "allgather_kv":
-            full = _with(placements, i, Replicate())
-            kl, vl = to_local(k, full), to_local(v, full)
-            start, stop = _rows(q, i)
+        if strategy == "ulysses":
+            heads = _with(placements, i, Shard(q.dim() - 3))
+            o, lse = op(to_local(q, heads), to_local(k, heads), to_local(v, heads), 0.0, causal, scale=scale)
+            o = to_local(wrap(o, _spec_like(q, heads, out_shape)), placements)
+            lse = to_local(wrap(lse, _spec_like(q, heads, out_shape[:-1], lse.dtype)), placements)
+        else:
             ql = q._local_tensor
-            if stop == start:  # no rows here (uneven shards): the kernel cannot run on none
-                o = ql.new_zeros(tuple(ql.shape[:-1]) + (v.shape[-1],))
-                lse = ql.new_zeros(tuple(ql.shape[:-1]), dtype=_lse_dtype(q.dtype))
+            start, stop = _rows(q, i)
+            merge = _Merge(ql, v.shape[-1], lse_dtype)
+            if strategy == "allgather_kv":
+                full = _with(placements, i, Replicate())
+                kl, vl = to_local(k, full), to_local(v, full)
+                if stop > start:
+                    _forward_block(op, merge, ql, kl, vl, 0, k.shape[-2], start, stop, causal, scale)
             else:
-                o, lse = _attend(op, ql, kl, vl, bool(is_causal), scale, start, stop)
-            return (wrap(o, _spec_like(q, placements, out_shape, q.dtype)),
-                    wrap(lse, _spec_like(q, placements, out_shape[:-1], lse.dtype)))
-        heads = _with(placements, i, Shard(q.dim() - 3))
-        o, lse = op(to_local(q, heads), to_local(k, heads), to_local(v, heads), 0.0, bool(is_causal), scale=scale)
-        o_dt = wrap(o, _spec_like(q, heads, out_shape, q.dtype))
-        lse_dt = wrap(lse, _spec_like(q, heads, out_shape[:-1], lse.dtype))
-        return (wrap(to_local(o_dt, placements), _spec_like(q, placements, out_shape, q.dtype)),
-                wrap(to_local(lse_dt, placements), _spec_like(q, placements, out_shape[:-1], lse.dtype)))
+                _ring_forward(op, merge, q, k, v, i, start, stop, causal, scale)
+            o, lse = merge.result()
+        return (wrap(o, _spec_like(q, placements, out_shape)),
+                wrap(lse, _spec_like(q, placements, out_shape[:-1], lse.dtype)))
+
+
+def _ring_forward(op, merge, q, k, v, i, start, stop, causal, scale) -> None:
+    """Pass K/V around the ring: at step ``t`` this rank holds the block of rank ``me - t`` and
+    computes with it while the next block travels (issued before the compute, waited after)."""
+    n, me = q._spec.mesh_shape[i], C.mesh_coordinate(q._spec.mesh)[i]
+    chunks = _chunks(k, i)
+    blocks = [k._local_tensor, v._local_tensor]
+    for t in range(n):
+        src = (me - t) % n
+        pending = None
+        if t < n - 1:
+            a, b = chunks[(me - t - 1) % n]
+            pending = _shift(blocks, b - a, q._spec.mesh, i, n, me)
+        a, b = chunks[src]
+        if stop > start:
+            _forward_block(op, merge, q._local_tensor, blocks[0], blocks[1], a, b, start, stop, causal, scale)
+        if pending is not None:
+            blocks = _arrived(pending)
 
 
 def _lse_dtype(dtype):
@@ -193,7 +307,7 @@ def _lse_dtype(dtype):
 
 @register_handler(_BWD, before_rule=True)
 def sdpa_context_parallel_backward(op, args, kwargs):
-    """Backward of :func:`sdpa_context_parallel` (chooses its strategy again; both are exact)."""
+    """Backward of :func:`sdpa_context_parallel` (chooses its strategy again; each is exact)."""
     g, q, k, v, out, lse, dropout_p, is_causal, attn_mask, scale = bind(op, args, kwargs)
     i = _seq_mesh_dim(q, k, v) if attn_mask is None and not dropout_p else None
     if i is not None and not all(type(t) is DTensor and t._spec.placements == q._spec.placements
@@ -202,28 +316,54 @@ def sdpa_context_parallel_backward(op, args, kwargs):
     strategy = None if i is None else choose_strategy(q, k, v, i)
     if strategy is None:
         return planned(op, args, kwargs)
-    placements = q._spec.placements
+    placements, causal = q._spec.placements, bool(is_causal)
     with op_context(op):
+        if strategy == "ulysses":
+            heads = _with(placements, i, Shard(q.dim() - 3))
+            gq, gk, gv = op(*(to_local(t, heads) for t in (g, q, k, v, out, lse)), 0.0, causal, scale=scale)
+            return tuple(wrap(to_local(wrap(x, _spec_like(t, heads)), placements), _spec_like(t, placements))
+                         for x, t in ((gq, q), (gk, k), (gv, v)))
+        start, stop = _rows(q, i)
+        local = [t._local_tensor for t in (g, q, out, lse)]
+        dq = torch.zeros_like(q._local_tensor)
         if strategy == "allgather_kv":
             full = _with(placements, i, Replicate())
             kl, vl = to_local(k, full), to_local(v, full)
-            start, stop = _rows(q, i)
-            ql = q._local_tensor
             dk, dv = torch.zeros_like(kl), torch.zeros_like(vl)
-            dq = torch.zeros_like(ql)
             if stop > start:
-                for a, b, c in _blocks(start, stop, kl.shape[-2], bool(is_causal)):
-                    gq, gk, gv = op(g._local_tensor, ql, kl.narrow(-2, a, b - a), vl.narrow(-2, a, b - a),
-                                    out._local_tensor, lse._local_tensor, 0.0, c, scale=scale)
-                    dq += gq
-                    dk.narrow(-2, a, b - a).add_(gk)
-                    dv.narrow(-2, a, b - a).add_(gv)
+                _backward_block(op, (dq, dk, dv), local[0], local[1], kl, vl, local[2], local[3], 0, k.shape[-2],
+                                start, stop, causal, scale)
             partial = _with(placements, i, Partial("sum"))
             dk = to_local(wrap(dk, _spec_like(k, partial)), placements)  # one reduce_scatter each
             dv = to_local(wrap(dv, _spec_like(v, partial)), placements)
-            return (wrap(dq, _spec_like(q, placements)), wrap(dk, _spec_like(k, placements)),
-                    wrap(dv, _spec_like(v, placements)))
-        heads = _with(placements, i, Shard(q.dim() - 3))
-        gq, gk, gv = op(*(to_local(t, heads) for t in (g, q, k, v, out, lse)), 0.0, bool(is_causal), scale=scale)
-        return tuple(wrap(to_local(wrap(x, _spec_like(t, heads)), placements), _spec_like(t, placements))
-                     for x, t in ((gq, q), (gk, k), (gv, v)))
+        else:
+            dk, dv = _ring_backward(op, dq, local, k, v, i, start, stop, causal, scale)
+        return (wrap(dq, _spec_like(q, placements)), wrap(dk, _spec_like(k, placements)),
+                wrap(dv, _spec_like(v, placements)))
+
+
+def _ring_backward(op, dq, local, k, v, i, start, stop, causal, scale):
+    """K/V travel the ring as in the forward, each with its gradient accumulator, which every
+    rank adds its rows' contribution to; after the last step one more shift takes each
+    accumulator home.  Returns this rank's ``(dk, dv)``."""
+    n, me = k._spec.mesh_shape[i], C.mesh_coordinate(k._spec.mesh)[i]
+    chunks = _chunks(k, i)
+    kb, vb = k._local_tensor, v._local_tensor
+    dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)
+    g, ql, outl, lsel = local
+    for t in range(n):
+        src = (me - t) % n
+        pending = None
+        if t < n - 1:
+            a, b = chunks[(me - t - 1) % n]
+            pending = _shift([kb, vb], b - a, k._spec.mesh, i, n, me)
+        a, b = chunks[src]
+        if stop > start:
+            _backward_block(op, (dq, dk, dv), g, ql, kb, vb, outl, lsel, a, b, start, stop, causal, scale)
+        # the accumulators follow their blocks (the last shift takes them to their owners)
+        a, b = chunks[(me - t - 1) % n]
+        grads = _arrived(_shift([dk, dv], b - a, k._spec.mesh, i, n, me))
+        if pending is not None:
+            kb, vb = _arrived(pending)
+        dk, dv = grads
+    return dk, dv

@@ -1,6 +1,6 @@
 """Context parallelism: attention on sequence-sharded q, k, v (dtshard/rules/attention_cp.py).
 
-Every strategy x {no mask, causal, causal with q_len != kv_len} x {MHA, GQA 4:1, MQA} x {2 and 4
+Every strategy (ulysses, allgather_kv, ring) x {no mask, causal, causal with q_len != kv_len} x {MHA, GQA 4:1, MQA} x {2 and 4
 ranks, a 2x2 mesh with the batch on the other mesh dim} x {sequence divisible by the ranks and
 not}: the output and dq/dk/dv in float64 against one process (rel 1e-9) on every rank, the
 outputs and gradients laid out like the inputs, and the bytes each rank receives in the forward
@@ -97,10 +97,13 @@ def test_sequence_sharded_attention_strategies(mesh_shape):
                 if strategy == "allgather_kv":  # K and V gathered, nothing else moves
                     assert kinds == {"all_gather": 2}, (case, kinds)
                     assert received <= 1.25 * kv_once + 1, (case, received, kv_once)
+                elif strategy == "ring":  # K and V together, one block a step
+                    assert kinds == {"all_to_all": mesh_shape[-1] - 1}, (case, kinds)
+                    assert received <= 1.25 * kv_once + 1, (case, received, kv_once)
                 else:  # q, k, v to heads, the output and its log-sum-exp back
                     assert kinds == {"all_to_all": 5}, (case, kinds)
-    # all-gather of K/V runs for every head layout; ulysses where the heads divide (not MQA on 2+)
-    assert {("allgather_kv", h) for h in HEADS} <= ran
+    # all-gather of K/V and the ring run for every head layout; ulysses where the heads divide
+    assert {(s, h) for s in ("allgather_kv", "ring") for h in HEADS} <= ran
     assert ("ulysses", "mha") in ran
 
 
@@ -136,6 +139,14 @@ def test_the_cost_picks_allgather_for_mqa_and_ulysses_for_mha():
     # MHA: ulysses moves (n-1)/n^2 of q, k, v, out; all-gather (n-1)/n of k and v: n/2 times more
     ratio = attention_cp._bytes("allgather_kv", q, kv4, kv4, 0) / attention_cp._bytes("ulysses", q, kv4, kv4, 0)
     assert ratio == pytest.approx(n / 2)
+    # K/V too large to gather whole on one rank: the ring, which receives the same bytes
+    old = dtshard.config.attention_cp_gather_bytes
+    dtshard.config.attention_cp_gather_bytes = 2**20
+    try:
+        assert attention_cp.choose_strategy(q, kv1, kv1, 0) == "ring"
+    finally:
+        dtshard.config.attention_cp_gather_bytes = old
+    assert attention_cp._bytes("ring", q, kv1, kv1, 0) == attention_cp._bytes("allgather_kv", q, kv1, kv1, 0)
 
 
 def _compiled(strategy, hkv):
@@ -165,6 +176,6 @@ def _compiled(strategy, hkv):
                for a, b in zip(got, [want] + [r.grad for r in ref]))
 
 
-@pytest.mark.parametrize("strategy,hkv", [("ulysses", 4), ("allgather_kv", 1)])
+@pytest.mark.parametrize("strategy,hkv", [("ulysses", 4), ("allgather_kv", 1), ("ring", 1)])
 def test_compiled_fullgraph(strategy, hkv):
     assert max(run_distributed(_compiled, 2, strategy, hkv)) < 1e-9
