@@ -249,7 +249,7 @@ def _numel(shape) -> int:
     return n
 
 
-@register_handler(_FWD, before_rule=True)
+@register_handler(_FWD, before_rule=True, keeps_strided=True)  # strided: to the rule, as they are
 def sdpa_context_parallel(op, args, kwargs):
     """Forward attention on sequence-sharded q, k, v (see the module docstring)."""
     q, k, v, dropout_p, is_causal, attn_mask, scale = bind(op, args, kwargs)
@@ -305,7 +305,7 @@ def _lse_dtype(dtype):
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-@register_handler(_BWD, before_rule=True)
+@register_handler(_BWD, before_rule=True, keeps_strided=True)
 def sdpa_context_parallel_backward(op, args, kwargs):
     """Backward of :func:`sdpa_context_parallel` (chooses its strategy again; each is exact)."""
     g, q, k, v, out, lse, dropout_p, is_causal, attn_mask, scale = bind(op, args, kwargs)
