@@ -16,6 +16,15 @@ collective from ``collectives.py`` (``all_reduce_``), and the engine's end-of-ba
 that waits before the optimizer reads anything.  A gradient that autograd accumulates AGAIN after
 its bucket was issued (a parameter used twice in one graph, its two contributions arriving on
 either side of the issue) is noticed by its version counter and settled on its own instead.
+
+Gradient accumulation (several ``backward()`` calls before the optimizer step, no ``zero_grad``):
+the second backward's Partial gradient meets a ``.grad`` already settled to Replicate, and
+AccumulateGrad adds it in place, which would reduce it at once, one all_reduce per parameter.
+Instead (:func:`accumulate_into_settled_grad`, a handler before ``add_``'s rule that acts only
+inside AccumulateGrad) the settled gradient is reopened as Partial without traffic (the first
+rank of each Partial mesh dim keeps it, the others hold zeros: the same sum), the new terms are
+added locally, and the leaf's hook buckets the sum like the first backward's: one all_reduce per
+bucket per backward.
 """
 
 from __future__ import annotations
@@ -24,15 +33,18 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from dtshard import _trace
 from dtshard import collectives as C
 from dtshard import hooks
 from dtshard._config import config
+from dtshard.handlers import planned
+from dtshard.registry import register_handler
 from dtshard.spec import mesh_identity
-from dtshard import _trace
 from dtshard.tensor import DTensor, reduce_partial_grad
 
-__all__ = ["bucket_gradient", "flush"]
+__all__ = ["accumulate_into_settled_grad", "bucket_gradient", "flush"]
 
 
 @dataclass
@@ -79,7 +91,7 @@ def bucket_gradient(param, grad) -> bool:
     task = torch._C._current_graph_task_id()
     if not cap or task == -1 or torch.compiler.is_compiling():
         return False
-    if type(grad._local_tensor) is not torch.Tensor or C._current_mode() is not None:
+    if type(grad._local_tensor) is not torch.Tensor or _get_current_dispatch_mode() is not None:
         return False  # traced (compiled autograd, a fake or proxy mode): the graph reduces it itself
     if any(p is param for b in _open.values() for p, _ in b.items):
         return True  # accumulated again before its bucket was issued: the bucket reads it then
@@ -143,6 +155,49 @@ def _finish_issued() -> None:
                 local = bucket.flat[off:off + n].view(grad._local_tensor.shape)
                 param.grad = DTensor(local, grad._spec.with_placements(bucket.target), requires_grad=False)
             off += n
+
+
+@register_handler(torch.ops.aten.add_.Tensor, before_rule=True)
+def accumulate_into_settled_grad(op, args, kwargs):
+    """AccumulateGrad adding a Partial(sum) gradient into a ``.grad`` that an earlier backward
+    settled to Replicate on those mesh dims: reopen it as Partial (no traffic) and add locally, so
+    the leaf's post-accumulate hook buckets the sum (see the module docstring).  Every other
+    ``add_`` goes to its rule."""
+    node = torch._C._current_autograd_node()
+    if node is not None and not kwargs and len(args) == 2 and type(node).__name__ == "AccumulateGrad" \
+            and config.settle_partial_grads and config.grad_bucket_bytes and _reopenable(*args):
+        grad, new = args
+        coord = C.mesh_coordinate(grad._spec.mesh)
+        dims = [i for i, p in enumerate(new._spec.placements) if isinstance(p, Partial)]
+        if any(coord[i] != 0 for i in dims):
+            grad._local_tensor.zero_()  # this rank's term of the reopened sum
+        grad._spec = grad._spec.with_placements(new._spec.placements)
+        grad._local_tensor.add_(new._local_tensor)
+        return grad
+    return planned(op, args, kwargs)
+
+
+def _reopenable(grad, new) -> bool:
+    """``grad`` (settled) and ``new`` (Partial sums) the same tensor's layouts but for Replicate
+    in ``grad`` where ``new`` is Partial(sum), on plain local tensors, eagerly."""
+    if type(grad) is not DTensor or type(new) is not DTensor or torch.compiler.is_compiling():
+        return False
+    gs, ns = grad._spec, new._spec
+    if gs.extra is not None or ns.extra is not None or gs.shape != ns.shape or gs.dtype != ns.dtype \
+            or gs.stride != ns.stride or mesh_identity(gs.mesh) != mesh_identity(ns.mesh):
+        return False
+    if type(grad._local_tensor) is not torch.Tensor or type(new._local_tensor) is not torch.Tensor \
+            or _get_current_dispatch_mode() is not None or grad._local_tensor.is_conj() or grad._local_tensor.is_neg():
+        return False
+    reopened = False
+    for g, n in zip(gs.placements, ns.placements):
+        if isinstance(n, Partial):
+            if n.reduce_op != "sum" or not isinstance(g, Replicate):
+                return False
+            reopened = True
+        elif g != n:
+            return False
+    return reopened
 
 
 hooks.runtime_entry_points(flush)  # the autograd engine's end-of-backward callback

@@ -92,3 +92,44 @@ def test_compiled_model_gradients_reduce_in_one_bucket():
         for name, (placements, full) in g_comp.items():
             assert placements == g_eager[name][0], (name, placements)
             torch.testing.assert_close(full, g_eager[name][1], msg=name)
+
+
+def _accumulated(micro: int, cap: int):
+    """``micro`` backwards into the same gradients (no zero_grad between them), as gradient
+    accumulation does: per backward, the bucket all_reduces and the per-gradient ones; the
+    accumulated gradients and their layouts."""
+    dtshard.config.grad_bucket_bytes = cap
+    try:
+        mesh = dtshard.init_device_mesh("cpu", (2,))
+        torch.manual_seed(0)
+        model = parallelize(Transformer(LlamaConfig()), mesh, dtshard.parallel, local_output=True)
+        g = torch.Generator().manual_seed(11)
+        per_backward = []
+        for _ in range(micro):
+            tokens = torch.randint(0, 64, (2, 9), generator=g)
+            with dtshard.parallel.loss_parallel():
+                loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten(0, 1))
+                with CommCounter() as bwd:
+                    loss.backward()
+            per_backward.append((sum(1 for r in bwd.records if r.op == "<grad bucket>"),
+                                 sum(1 for r in bwd.records if r.op == "aten.add_.Tensor")))
+        grads = {n: (str(p.grad.placements), p.grad.full_tensor()) for n, p in model.named_parameters()}
+        return per_backward, grads
+    finally:
+        dtshard.config.grad_bucket_bytes = 25 * 2**20
+
+
+def _accumulation():
+    return _accumulated(3, 25 * 2**20), _accumulated(3, 0)
+
+
+def test_gradient_accumulation_keeps_the_buckets():
+    """Issue #31 item 3: the second and third backward into settled gradients still reduce the
+    Partial ones in ONE bucket each (no all_reduce inside AccumulateGrad's add_), and the sums
+    equal the unbucketed path's (which reduces each in add_) to rounding, with the same layouts."""
+    for (bucketed, grads), (unbucketed, grads0) in run_distributed(_accumulation, 2, timeout=300):
+        assert bucketed == [(1, 0)] * 3, bucketed
+        assert unbucketed[0] == (0, 0) and all(adds > 0 for _, adds in unbucketed[1:]), unbucketed
+        for name, (placements, full) in grads.items():
+            assert placements == grads0[name][0], (name, placements)
+            torch.testing.assert_close(full, grads0[name][1], rtol=1e-6, atol=1e-7, msg=name)
