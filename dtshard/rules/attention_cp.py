@@ -233,8 +233,7 @@ def _shift(ts, rows_in: int, mesh, mesh_dim: int, n: int, me: int):
 def _arrived(pending):
     """The tensors of a :func:`_shift`, waited on."""
     buf, shapes = pending
-    if torch.compiler.is_compiling():
-        buf = C.wait_in_graph(buf)
+    buf = C.wait_in_graph(buf)  # eagerly the in-flight tensor's wait, compiled the graph's
     out, off = [], 0
     for sh in shapes:
         out.append(buf[off:off + _numel(sh)].view(sh))
