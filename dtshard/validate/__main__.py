@@ -74,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     warnings.simplefilter("ignore")  # deprecation chatter of the OpInfo samples
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     ops = registered_ops() if args.all else _ops(args.op)
     source = SampleSource(dtype=getattr(torch, args.dtype), per_op=args.samples, backward=args.backward)
     if args.all:
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
         if not args.incorrect_only:
             for f in report.missing:
                 print(f"  missing   {f.text()}")
-    print(summary(reports, time.perf_counter() - start))
+    print(summary(reports, time.perf_counter() - start, time.process_time() - cpu_start))
     return 1 if errors or any(r.incorrect for r in reports) else 0
 
 

@@ -14,10 +14,11 @@ to) and sorts each one, the all-Replicate choice aside, into
 - **skipped**: uneven layouts with ``uneven=False``; Partial terms that cannot be built (a
   Partial(sum) of booleans).
 
-**Missing** strategies are searched apart, on 1-D meshes: every input combination of
-Replicate, non-trivial Shard and Partial(sum / max / min) whose local results form the global
-result under some output placement the rule does not claim.  They are valid on the sampled
-inputs only, so they are reported as hints, never counted as incorrect.
+**Missing** strategies are searched apart, on the first 1-D mesh, for samples whose inputs are all
+non-empty floating tensors (see :func:`_searchable`): every input combination of Replicate,
+non-trivial Shard and Partial(sum / max / min) whose local results form the global result under
+some output placement the rule does not claim.  They are valid on the sampled inputs only, so
+they are reported as hints, never counted as incorrect.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ __all__ = ["Finding", "OpReport", "TOLERANCE", "simulate_op", "validate_op"]
 TOLERANCE = {torch.float16: (1e-2, 1e-2), torch.bfloat16: (2e-2, 2e-2), torch.float32: (1e-4, 1e-4),
              torch.float64: (1e-7, 1e-7)}
 #: the missing-strategy search looks at most at this many input combinations per sample
-MISSING_CAP = 96
+MISSING_CAP = 64
 _R = Replicate()
 
 
@@ -79,6 +80,7 @@ class OpReport:
     samples: int = 0
     seconds: float = 0.0
     note: str = ""
+    unplannable: str = ""  # why the planner cannot plan the op on a sample (the op's own limit)
 
     def line(self) -> str:
         if self.note:
@@ -120,10 +122,6 @@ def _slots(sample: Sample):
 def _spec(mesh, placements, t) -> DTensorSpec:
     shape = tuple(t.shape)
     return DTensorSpec(mesh, tuple(placements), shape, contiguous_strides(shape), t.dtype)
-
-
-def _even(spec: DTensorSpec) -> bool:
-    return spec.is_even()
 
 
 def _same(dtype):
@@ -184,6 +182,16 @@ class _Case:
         with torch.no_grad():
             self.ref = flatten_outputs(op(*sample.args, **sample.kwargs))
         self.values = _deterministic(op)
+        self.locals: dict = {}  # the ranks' local inputs, per layout (run_ranks' cache)
+        self._wide: list = []
+
+    def wide(self) -> "_Case | None":
+        """The same case in float64 (None when it has no lower-precision float input)."""
+        if not any(t.dtype in _WIDER for t in _tensors(self.sample)):
+            return None
+        if not self._wide:
+            self._wide.append(_Case(self.op, _as_float64(self.sample)))
+        return self._wide[0]
 
     def run(self, mesh_shape, ins, outs) -> dict | str:
         """``{coord: local outputs}`` on simulated ranks, or why a rank failed (as text)."""
@@ -191,7 +199,7 @@ class _Case:
         try:
             with torch.no_grad():
                 return run_ranks(self.fn, self.sample.args, self.sample.kwargs, ins, mesh_shape,
-                                 self.shape_args, out_shapes, outs)
+                                 self.shape_args, out_shapes, outs, self.locals)
         except Unbuildable:
             raise
         except Exception as e:  # noqa: BLE001 - a rank that raises is a wrong strategy
@@ -202,7 +210,11 @@ class _Case:
         ref = self.ref[k]
         if not isinstance(ref, torch.Tensor):
             return ""
-        per_rank = {c: flatten_outputs(r)[k] for c, r in ranks.items()}
+        flat = {c: flatten_outputs(r) for c, r in ranks.items()}
+        for c, outs in flat.items():
+            if len(outs) != len(self.ref):
+                return f"rank {c} returns {len(outs)} outputs, the op on the global inputs {len(self.ref)}"
+        per_rank = {c: outs[k] for c, outs in flat.items()}
         same = _same(ref.dtype) if self.values else (lambda a, b: "")
         got, why = assemble(per_rank, ref.shape, placements, mesh_shape, same)
         if got is None:
@@ -221,15 +233,6 @@ class _Case:
             if why:
                 return f"output {k}: {why}"
         return ""
-
-
-def _verdict(case: _Case, case64, mesh_shape, ins, outs) -> str:
-    """Why the strategy is incorrect ("" when it is correct), float32 misses confirmed in float64."""
-    why = case.check(mesh_shape, ins, outs)
-    if why and case64 is not None:
-        why64 = case64().check(mesh_shape, ins, outs)
-        return f"{why}; in float64: {why64}" if why64 else ""
-    return why
 
 
 def _strided_sources(mesh, tensors) -> list[list[tuple]]:
@@ -274,52 +277,55 @@ def _all_replicate(ins, outs) -> bool:
     return all(type(p) is Replicate for p in itertools.chain(*ins, *outs))
 
 
-def _validate_sample(report: OpReport, op, sample: Sample, meshes, uneven: bool, strided: bool,
-                     missing: bool) -> None:
-    case = _Case(op, sample)
-    float32 = any(t.dtype in _WIDER for t in _tensors(sample))
-    case64 = None
-    if float32:
-        memo = []
+def _classify(case: _Case, mesh: SimMesh, gflat, ins, outs, uneven: bool) -> str:
+    """``"rejected"``, ``"skipped"``, ``"correct"``, or why the choice is incorrect."""
+    tensors = _tensors(case.sample)
+    in_specs = [_spec(mesh, p, t) for p, t in zip(ins, tensors)]
+    out_specs = tuple(None if g is None else DTensorSpec(mesh, tuple(o), g.shape, g.stride, g.dtype)
+                      for g, o in zip(gflat, outs))
+    if not uneven and not all(s.is_even() for s in (*in_specs, *(o for o in out_specs if o is not None))):
+        return "skipped"
+    margs, mkwargs = _slots(case.sample)
+    if not planner_accepts(case.op, margs, mkwargs, in_specs, out_specs):
+        return "rejected"
+    try:
+        why = case.check(mesh.shape, ins, outs)
+        if why and case.wide() is not None:  # a float32 miss counts only when float64 misses too
+            why64 = case.wide().check(mesh.shape, ins, outs)
+            why = f"{why}; in float64: {why64}" if why64 else ""
+    except Unbuildable:
+        return "skipped"
+    return why or "correct"
 
-        def case64():
-            if not memo:
-                memo.append(_Case(op, _as_float64(sample)))
-            return memo[0]
 
-    margs, mkwargs = _slots(sample)
-    tensors = _tensors(sample)
-    claimed_1d = {}
+def _validate_sample(report: OpReport, case: _Case, meshes, uneven: bool, strided: bool, missing: bool) -> None:
+    first_1d = next((tuple(m) for m in meshes if len(m) == 1), None)  # where missing ones are searched
+    claimed_1d = set()
     for mesh_shape in meshes:
         mesh = SimMesh(mesh_shape)
-        gflat, choices = _choices(op, mesh, sample, strided)
+        try:
+            gflat, choices = _choices(case.op, mesh, case.sample, strided)
+        except NotImplementedError as e:  # no meta kernel: dispatch raises NoMetaKernelError too
+            report.unplannable = str(e).splitlines()[0][:160]
+            return
         for ins, outs in choices:
             if _all_replicate(ins, outs):
                 continue
-            if len(mesh_shape) == 1:
-                claimed_1d.setdefault(mesh_shape, set()).add((tuple(ins), tuple(outs)))
+            if tuple(mesh_shape) == first_1d:
+                claimed_1d.add((tuple(ins), tuple(outs)))
             report.claimed += 1
-            in_specs = [_spec(mesh, p, t) for p, t in zip(ins, tensors)]
-            out_specs = tuple(None if g is None else DTensorSpec(mesh, tuple(o), g.shape, g.stride, g.dtype)
-                              for g, o in zip(gflat, outs))
-            if not uneven and not all(_even(s) for s in (*in_specs, *(o for o in out_specs if o is not None))):
-                report.skipped += 1
-                continue
-            if not planner_accepts(op, margs, mkwargs, in_specs, out_specs):
-                report.rejected += 1
-                continue
-            try:
-                why = _verdict(case, case64, mesh_shape, ins, outs)
-            except Unbuildable:
-                report.skipped += 1
-                continue
-            if why:
-                report.incorrect.append(Finding(op, tuple(mesh_shape), tuple(ins), tuple(outs), why, sample))
-            else:
+            verdict = _classify(case, mesh, gflat, ins, outs, uneven)
+            if verdict == "correct":
                 report.correct += 1
-    if missing and case.values and not case.shape_args and all(t.numel() for t in tensors):
-        for mesh_shape, claimed in claimed_1d.items():
-            report.missing += _missing(case, mesh_shape, claimed)
+            elif verdict == "rejected":
+                report.rejected += 1
+            elif verdict == "skipped":
+                report.skipped += 1
+            else:
+                report.incorrect.append(Finding(case.op, tuple(mesh_shape), tuple(ins), tuple(outs), verdict,
+                                                case.sample))
+    if missing and first_1d is not None and _searchable(case):
+        report.missing += _missing(case, first_1d, claimed_1d)
 
 
 def _partials(t: torch.Tensor) -> list:
@@ -328,20 +334,25 @@ def _partials(t: torch.Tensor) -> list:
     return [Partial("sum")] if t.is_complex() else []
 
 
-def _candidates(t: torch.Tensor, n: int, is_input: bool) -> list:
+def _candidates(t: torch.Tensor, n: int) -> list:
     """The placements the missing-strategy search tries: Replicate, every shard of a dim with at
-    least ``n`` entries, the Partials of its dtype.  An integer or boolean INPUT stays replicated:
-    cut or split, an index tensor points outside the local data, and some kernels (``lu_unpack``'s
-    pivots) do not check their indices, so the process itself could crash."""
-    if is_input and not (t.is_floating_point() or t.is_complex()):
-        return [_R]
+    least ``n`` entries, the Partials of its dtype."""
     return [_R] + [Shard(d) for d in range(t.ndim) if t.shape[d] >= n] + _partials(t)
+
+
+def _searchable(case: _Case) -> bool:
+    """May the missing-strategy search cut this sample's inputs any way it likes?  Not when an
+    input holds indices (an integer or boolean tensor): cut, they point outside the local data,
+    and some kernels do not check (``lu_unpack`` with a sharded LU and replicated pivots corrupts
+    the heap), so the search would crash the process.  Not on empty inputs (everything fits)."""
+    return (case.values and not case.shape_args
+            and all((t.is_floating_point() or t.is_complex()) and t.numel() for t in _tensors(case.sample)))
 
 
 def _missing(case: _Case, mesh_shape, claimed: set) -> list:
     """Combinations valid on this sample (1-D mesh) that the rule does not claim."""
     n = mesh_shape[0]
-    per_input = [_candidates(t, n, True) for t in _tensors(case.sample)]
+    per_input = [_candidates(t, n) for t in _tensors(case.sample)]
     combos = [c for c in itertools.product(*per_input) if any(type(p) is not Replicate for p in c)]
     if len(combos) > MISSING_CAP:
         step = len(combos) / MISSING_CAP
@@ -360,7 +371,7 @@ def _missing(case: _Case, mesh_shape, claimed: set) -> list:
             if not isinstance(ref, torch.Tensor):
                 valid.append([(_R,)])
                 continue
-            ok = [(p,) for p in _candidates(ref, n, False) if not case.judge(ranks, mesh_shape, k, (p,))]
+            ok = [(p,) for p in _candidates(ref, n) if not case.judge(ranks, mesh_shape, k, (p,))]
             if (_R,) in ok:  # every rank holds the result: a Partial max/min of it says nothing new
                 ok = [o for o in ok if not (isinstance(o[0], Partial) and o[0].reduce_op != "sum")]
             valid.append(ok)
@@ -380,16 +391,21 @@ def validate_op(op, source: SampleSource, meshes, *, uneven: bool = True, stride
         report.note = "no rule"
         return report
     start = time.perf_counter()
+    if not any("Tensor" in str(a.type) for a in op._schema.arguments):
+        report.note = "no tensor argument (a factory: its output placements are the caller's choice)"
+        return report
     for sample in source.samples(op):
         try:
-            _Case(op, sample)
+            case = _Case(op, sample)
         except Exception:  # noqa: BLE001 - the op rejects the sample itself: nothing to validate
             continue
         report.samples += 1
-        _validate_sample(report, op, sample, meshes, uneven, strided, missing)
+        _validate_sample(report, case, meshes, uneven, strided, missing)
     report.seconds = time.perf_counter() - start
     if not report.samples:
         report.note = "no sample (give it one in dtshard/validate/samples.py OWN_SAMPLES)"
+    elif report.unplannable and not report.claimed:
+        report.note = f"not plannable on DTensors (dispatch raises the same): {report.unplannable}"
     return report
 
 

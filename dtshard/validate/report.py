@@ -77,20 +77,21 @@ def repro(f: Finding) -> str:
     ])
 
 
-def summary(reports: list[OpReport], seconds: float) -> str:
+def summary(reports: list[OpReport], seconds: float, cpu_seconds: float) -> str:
     """The totals: ops, strategies checked, correct, incorrect, rejected, skipped, missing."""
     validated = [r for r in reports if not r.note]
     no_sample = [r for r in reports if r.note.startswith("no sample")]
     handlers = [r for r in reports if r.served == "handler"]
     errors = [r for r in reports if r.note.startswith("VALIDATOR ERROR")]
+    unplannable = [r for r in reports if r.note.startswith("not plannable")]
     total = sum(r.claimed for r in validated)
     return "\n".join([
         f"ops validated: {len(validated)} (rule-served; {len(no_sample)} without a sample, "
-        f"{len(handlers)} handler-served not validated here)",
+        f"{len(unplannable)} not plannable, {len(handlers)} handler-served not validated here)",
         f"strategies checked: {total}  correct: {sum(r.correct for r in validated)}  "
         f"incorrect: {sum(len(r.incorrect) for r in validated)}  rejected by the planner: "
         f"{sum(r.rejected for r in validated)}  skipped: {sum(r.skipped for r in validated)}  "
         f"missing: {sum(len(r.missing) for r in validated)}",
         f"validator errors: {len(errors)}" + "".join(f"\n  {r.line()}" for r in errors),
-        f"time: {seconds:.1f}s",
+        f"time: {seconds:.1f}s wall, {cpu_seconds:.1f}s CPU",
     ])

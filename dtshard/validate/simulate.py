@@ -19,6 +19,7 @@ Three steps, each pure tensor arithmetic on the layout functions of :mod:`dtshar
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Callable, Sequence
 
@@ -57,7 +58,12 @@ def coords(mesh_shape: Sequence[int]) -> list[tuple[int, ...]]:
 def _checker(shape, salt: int) -> torch.Tensor:
     """A boolean checkerboard over ``shape`` (sum of coordinates, shifted by ``salt``): it
     alternates along EVERY dim, where a flat-index pattern can be constant along one."""
-    total = torch.full(tuple(shape), salt, dtype=torch.long)
+    return _board(tuple(shape), salt % 2)
+
+
+@functools.lru_cache(maxsize=256)
+def _board(shape: tuple, parity: int) -> torch.Tensor:
+    total = torch.full(shape, parity, dtype=torch.long)
     for d, n in enumerate(shape):
         view = [1] * len(shape)
         view[d] = n
@@ -120,18 +126,23 @@ def local_input(full: torch.Tensor, placements: Sequence[Placement], mesh_shape:
 
 
 def run_ranks(fn: Callable, args, kwargs, placements: Sequence[Sequence[Placement]], mesh_shape,
-              shape_args: dict | None = None, out_shapes=(), out_placements=()) -> dict:
+              shape_args: dict | None = None, out_shapes=(), out_placements=(), cache: dict | None = None) -> dict:
     """``{coord: fn(local args)}`` for every rank.  ``args``/``kwargs`` hold the global tensors;
     the k-th tensor met (flattened in argument order) gets ``placements[k]``.  ``shape_args``
-    ({arg index: output index}): that argument becomes the rank's local shape of that output."""
+    ({arg index: output index}): that argument becomes the rank's local shape of that output.
+    ``cache``: local inputs kept across calls with the same ``args`` (the op gets copies)."""
     results = {}
+    cache = {} if cache is None else cache
     for coord in coords(mesh_shape):
         counter = itertools.count()
 
         def conv(a):
             if isinstance(a, torch.Tensor):
                 k = next(counter)
-                return local_input(a, placements[k], mesh_shape, coord, salt=k)
+                key = (k, tuple(placements[k]), tuple(mesh_shape), coord)
+                if key not in cache:
+                    cache[key] = local_input(a, placements[k], mesh_shape, coord, salt=k)
+                return cache[key].clone()
             if isinstance(a, (list, tuple)):
                 return type(a)(conv(b) for b in a)
             return a
@@ -152,6 +163,11 @@ def _scatter(local: torch.Tensor, region, shape) -> tuple[torch.Tensor, torch.Te
     val = torch.zeros(shape, dtype=local.dtype)
     mask = torch.zeros(shape, dtype=torch.bool)
     if local.numel() == 0:
+        return val, mask
+    if all(len(ivs) == 1 for ivs in region):  # a box: one slice per dim
+        box = tuple(slice(ivs[0][0], ivs[0][1]) for ivs in region)
+        val[box] = local
+        mask[box] = True
         return val, mask
     index = []
     for d, ivs in enumerate(region):
