@@ -16,6 +16,7 @@ An op with neither is reported "no sample", never counted as validated.
 
 from __future__ import annotations
 
+import itertools
 import random
 import zlib
 from dataclasses import dataclass, field
@@ -84,9 +85,10 @@ def _seed(name: str) -> None:
         pass
 
 
-def _pick(samples: list, k: int) -> list:
-    """Up to ``k`` small samples, differing in the ranks of their tensors where possible."""
-    small = [s for s in samples if _numel((s.input, s.args, s.kwargs)) <= MAX_NUMEL]
+def _pick(samples, k: int, scan: int = 8) -> list:
+    """Up to ``k`` small samples among the first ``scan`` (sample functions are generators: the
+    rest is never built), differing in the ranks of their tensors where possible."""
+    small = [s for s in itertools.islice(samples, scan) if _numel((s.input, s.args, s.kwargs)) <= MAX_NUMEL]
     chosen, ranks = [], set()
     for s in small:
         r = tuple(t.ndim for t in tree_flatten((s.input, s.args, s.kwargs))[0] if isinstance(t, torch.Tensor))
@@ -104,7 +106,7 @@ def _run_opinfo(opinfo, dtype, k: int, backward: bool, sink) -> None:
     _seed(name)
     grad = backward and opinfo.supports_autograd and (dtype.is_floating_point or dtype.is_complex)
     try:
-        samples = _pick(list(opinfo.sample_inputs_func(opinfo, "cpu", dtype, grad)), k)
+        samples = _pick(iter(opinfo.sample_inputs_func(opinfo, "cpu", dtype, grad)), k)
     except Exception:  # noqa: BLE001 - a sample function that fails here gives no samples
         return
     for s in samples:
@@ -241,7 +243,26 @@ OWN_SAMPLES: dict = {
     aten.conj_physical.default: lambda dt: [((_t(5, 4),), {})],
     aten.positive.default: lambda dt: [((_t(5, 4),), {})],
     aten.isfinite.default: lambda dt: [((_t(5, 4) / (_t(5, 4, seed=1) > 0),), {})],
+    aten._unsafe_index.Tensor: lambda dt: [((_t(5, 4), [torch.tensor([0, 2, 4, 1])]), {})],
+    aten.div.Scalar_mode: lambda dt: [((_t(5, 4), 0.75), {"rounding_mode": "floor"})],
+    aten.prod.dim_int: lambda dt: [((_t(5, 4), 1), {})],
+    aten.all.dim: lambda dt: [((_t(5, 4) > 0, 1), {})],
+    aten.median.dim: lambda dt: [((_t(5, 4), 1), {})],
+    aten.sort.stable: lambda dt: [((_t(5, 4),), {"stable": True, "dim": 0})],
+    aten._linalg_eigvals.default: lambda dt: [((torch.stack([_spd(3), _spd(3) + 1]),), {})],
+    aten.linalg_tensorinv.default: lambda dt: [((_t(6, 2, 3), 1), {})],
+    aten.linalg_matrix_norm.default: lambda dt: [((_t(5, 4), 1), {})],
+    aten._upsample_bilinear2d_aa.default: lambda dt: [((_t(2, 3, 5, 6), [3, 4], False), {})],
+    aten._upsample_bilinear2d_aa_backward.default: lambda dt: [((_t(2, 3, 3, 4), [3, 4], [2, 3, 5, 6], False), {})],
+    aten.cumprod_backward.default: lambda dt: [((_t(5, 4, seed=1), _t(5, 4), 1, _t(5, 4).cumprod(1)), {})],
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: lambda dt: [_flash_backward()],
 }
+
+
+def _flash_backward():
+    q, k, v = (_t(1, 2, 5, 4, seed=s) for s in range(3))
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v)
+    return (_t(1, 2, 5, 4, seed=3), q, k, v, out, lse, 0.0, False), {}
 
 _INT_OPS = ("bitwise", "shift", "xor", "gcd", "lcm", "__and__", "__or__")
 

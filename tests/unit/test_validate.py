@@ -17,9 +17,9 @@ import pytest
 import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 
-import dtshard  # noqa: F401  (registers the rules)
+import dtshard
 from dtshard.registry import override
-from dtshard.validate import Sample, repro, simulate_op, validate_op
+from dtshard.validate import Sample, SampleSource, repro, simulate_op, validate_op
 from dtshard.validate.__main__ import main
 from dtshard.validate.simulate import assemble, local_input
 
@@ -150,3 +150,34 @@ def test_partial_terms_are_not_the_value_itself():
     assert (terms[0] < 0).any() and (terms[1] < 0).any()
     got = simulate_op(torch.ops.aten.abs.default, (x,), {}, (2,), [(Partial("sum"),)], [(Partial("sum"),)])[0]
     assert not torch.allclose(got, x.abs())
+
+
+# ---------------------------------------------------------------------------------------------
+# every registered rule, on the suite's sampled configuration
+# ---------------------------------------------------------------------------------------------
+
+#: a 2-D mesh (OpInfo's sizes of 5 and 10 make uneven shards on it), strided shards, the ops the
+#: samples' backward runs; one sample per op and at most SUITE_CHOICES of its planner choices (the
+#: strided ones first, the rest evenly spread): ``python -m dtshard.validate --all`` checks them all
+SUITE_MESHES = [(2, 2)]
+SUITE_CHOICES = 8
+GROUPS = 4
+RULES = sorted((op for op in dtshard.registry.registered_ops() if dtshard.registry.get_entry(op).kind == "rule"),
+               key=str)
+
+
+@pytest.fixture(scope="module")
+def opinfo_samples():
+    source = SampleSource(per_op=1, backward=True)
+    source.capture()
+    return source
+
+
+@pytest.mark.parametrize("group", range(GROUPS))
+def test_every_registered_rule_claims_only_correct_strategies(opinfo_samples, group):
+    reports = [validate_op(op, opinfo_samples, SUITE_MESHES, uneven=True, strided=True, missing=False,
+                           max_choices=SUITE_CHOICES) for op in RULES[group::GROUPS]]
+    assert [f.text() for r in reports for f in r.incorrect] == []
+    assert [r.line() for r in reports if r.note.startswith("VALIDATOR ERROR")] == []
+    checked = sum(r.correct for r in reports)
+    assert checked > 5 * len(reports) // 2, "too few strategies ran: is the sample source broken?"
