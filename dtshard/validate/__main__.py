@@ -20,6 +20,7 @@ import torch
 import dtshard  # noqa: F401  (registers every rule and handler)
 from dtshard.registry import get_entry, registered_ops
 from dtshard.validate.check import OpReport, validate_op
+from dtshard.validate.ranks import validate_handler
 from dtshard.validate.report import repro, summary
 from dtshard.validate.samples import SampleSource
 
@@ -68,6 +69,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=2, help="samples per op (default 2)")
     p.add_argument("--incorrect-only", action="store_true", help="print only the incorrect strategies")
     p.add_argument("--repro", type=int, default=0, metavar="N", help="print N reproductions per failing op")
+    p.add_argument("--ranks", action="store_true",
+                   help="also run handler-served ops as DTensors on real ranks (gloo worker pools)")
     return p
 
 
@@ -83,7 +86,9 @@ def main(argv=None) -> int:
     reports, errors = [], []
     for op in ops:
         entry = get_entry(op)
-        if entry is not None and entry.kind == "handler":
+        if entry is not None and entry.kind == "handler" and args.ranks:
+            report = validate_handler(op, source.samples(op), meshes)
+        elif entry is not None and entry.kind == "handler":
             report = OpReport(op, "handler", note="handler: not validated here (runs its own code; needs --ranks)")
         else:
             try:

@@ -14,8 +14,8 @@ to) and sorts each one, the all-Replicate choice aside, into
 - **skipped**: uneven layouts with ``uneven=False``; Partial terms that cannot be built (a
   Partial(sum) of booleans).
 
-**Missing** strategies are searched apart, on the first 1-D mesh, for samples whose inputs are all
-non-empty floating tensors (see :func:`_searchable`): every input combination of Replicate,
+**Missing** strategies are searched apart, on the first 1-D mesh, for samples of at most three
+inputs, all non-empty floating tensors (see :func:`_searchable`): every input combination of Replicate,
 non-trivial Shard and Partial(sum / max / min) whose local results form the global result under
 some output placement the rule does not claim.  They are valid on the sampled inputs only, so
 they are reported as hints, never counted as incorrect.
@@ -36,7 +36,8 @@ from dtshard.spec import DTensorSpec, contiguous_strides, is_shard, placements_s
 from dtshard.validate.samples import Sample, SampleSource
 from dtshard.validate.simulate import SimMesh, Unbuildable, assemble, run_ranks
 
-__all__ = ["Finding", "OpReport", "TOLERANCE", "simulate_op", "validate_op"]
+__all__ = ["Finding", "OpReport", "TOLERANCE", "compare", "float64_sample", "sample_tensors", "simulate_op",
+           "validate_op"]
 
 #: (rtol, atol) per dtype for a claimed strategy's result against the op's; a float32 miss is
 #: re-run in float64, where the float64 tolerance decides
@@ -59,7 +60,7 @@ class Finding:
     sample: Sample
 
     def text(self) -> str:
-        shapes = [tuple(t.shape) for t in _tensors(self.sample)]
+        shapes = [tuple(t.shape) for t in sample_tensors(self.sample)]
         return (f"{self.op} on mesh {self.mesh_shape}, global shapes {shapes}: "
                 f"{' '.join(placements_str(p) for p in self.ins)} -> "
                 f"{' '.join(placements_str(p) for p in self.outs)}: {self.why} [{self.sample.source}]")
@@ -90,7 +91,8 @@ class OpReport:
                 f"missing {len(self.missing):3d}  samples {self.samples}  {self.seconds:6.2f}s")
 
 
-def _tensors(sample: Sample) -> list:
+def sample_tensors(sample: Sample) -> list:
+    """The sample's tensors, flattened in argument order (the planner's order)."""
     out = []
 
     def walk(a):
@@ -147,6 +149,16 @@ def _same(dtype):
     return same
 
 
+def compare(got: torch.Tensor, want: torch.Tensor) -> str:
+    """"" when ``got`` matches ``want`` within :data:`TOLERANCE`, else how they differ."""
+    return _same(want.dtype)(got, want)
+
+
+def float64_sample(sample: Sample) -> Sample | None:
+    """The sample in float64 (None when it has no lower-precision float tensor)."""
+    return _as_float64(sample) if any(t.dtype in _WIDER for t in sample_tensors(sample)) else None
+
+
 _WIDER = {torch.float32: torch.float64, torch.float16: torch.float64, torch.bfloat16: torch.float64,
           torch.complex64: torch.complex128}
 
@@ -187,10 +199,9 @@ class _Case:
 
     def wide(self) -> "_Case | None":
         """The same case in float64 (None when it has no lower-precision float input)."""
-        if not any(t.dtype in _WIDER for t in _tensors(self.sample)):
-            return None
         if not self._wide:
-            self._wide.append(_Case(self.op, _as_float64(self.sample)))
+            wide = float64_sample(self.sample)
+            self._wide.append(None if wide is None else _Case(self.op, wide))
         return self._wide[0]
 
     def run(self, mesh_shape, ins, outs) -> dict | str:
@@ -257,7 +268,7 @@ def _strided_sources(mesh, tensors) -> list[list[tuple]]:
 def _choices(op, mesh, sample: Sample, strided: bool):
     """``(gflat, [(ins, outs)])``: the planner's choices from replicated inputs, and with
     ``strided`` those it makes from strided inputs (only the ones that keep a strided shard)."""
-    tensors = _tensors(sample)
+    tensors = sample_tensors(sample)
     margs, mkwargs = _slots(sample)
     plain = [_spec(mesh, [_R] * mesh.ndim, t) for t in tensors]
     gflat, choices = strategy_choices(op, plain, margs, mkwargs)
@@ -279,7 +290,7 @@ def _all_replicate(ins, outs) -> bool:
 
 def _classify(case: _Case, mesh: SimMesh, gflat, ins, outs, uneven: bool) -> str:
     """``"rejected"``, ``"skipped"``, ``"correct"``, or why the choice is incorrect."""
-    tensors = _tensors(case.sample)
+    tensors = sample_tensors(case.sample)
     in_specs = [_spec(mesh, p, t) for p, t in zip(ins, tensors)]
     out_specs = tuple(None if g is None else DTensorSpec(mesh, tuple(o), g.shape, g.stride, g.dtype)
                       for g, o in zip(gflat, outs))
@@ -350,19 +361,26 @@ def _candidates(t: torch.Tensor, n: int) -> list:
     return [_R] + [Shard(d) for d in range(t.ndim) if t.shape[d] >= n] + _partials(t)
 
 
+#: the missing-strategy search runs on ops of at most this many tensor inputs
+MISSING_MAX_INPUTS = 3
+
+
 def _searchable(case: _Case) -> bool:
-    """May the missing-strategy search cut this sample's inputs any way it likes?  Not when an
-    input holds indices (an integer or boolean tensor): cut, they point outside the local data,
-    and some kernels do not check (``lu_unpack`` with a sharded LU and replicated pivots corrupts
-    the heap), so the search would crash the process.  Not on empty inputs (everything fits)."""
-    return (case.values and not case.shape_args
-            and all((t.is_floating_point() or t.is_complex()) and t.numel() for t in _tensors(case.sample)))
+    """May the missing-strategy search cut this sample's inputs any way it likes?  Some kernels
+    do not check that their inputs fit together, and inputs cut apart no longer do: ``lu_unpack``
+    with a sharded LU and replicated pivots, or the flash-attention backward with its logsumexp
+    cut apart from its query, corrupt the heap and crash the process.  So the search leaves out
+    ops with an index input (an integer or boolean tensor), ops of more than
+    :data:`MISSING_MAX_INPUTS` tensor inputs, and empty inputs (on which everything fits)."""
+    tensors = sample_tensors(case.sample)
+    return (case.values and not case.shape_args and len(tensors) <= MISSING_MAX_INPUTS
+            and all((t.is_floating_point() or t.is_complex()) and t.numel() for t in tensors))
 
 
 def _missing(case: _Case, mesh_shape, claimed: set) -> list:
     """Combinations valid on this sample (1-D mesh) that the rule does not claim."""
     n = mesh_shape[0]
-    per_input = [_candidates(t, n) for t in _tensors(case.sample)]
+    per_input = [_candidates(t, n) for t in sample_tensors(case.sample)]
     combos = [c for c in itertools.product(*per_input) if any(type(p) is not Replicate for p in c)]
     if len(combos) > MISSING_CAP:
         step = len(combos) / MISSING_CAP

@@ -79,9 +79,10 @@ def repro(f: Finding) -> str:
 
 def summary(reports: list[OpReport], seconds: float, cpu_seconds: float) -> str:
     """The totals: ops, strategies checked, correct, incorrect, rejected, skipped, missing."""
-    validated = [r for r in reports if not r.note]
+    validated = [r for r in reports if not r.note and r.served == "rule"]
+    on_ranks = [r for r in reports if not r.note and r.served == "handler"]
     no_sample = [r for r in reports if r.note.startswith("no sample")]
-    handlers = [r for r in reports if r.served == "handler"]
+    handlers = [r for r in reports if r.served == "handler" and r.note]
     errors = [r for r in reports if r.note.startswith("VALIDATOR ERROR")]
     unplannable = [r for r in reports if r.note.startswith("not plannable")]
     total = sum(r.claimed for r in validated)
@@ -93,5 +94,9 @@ def summary(reports: list[OpReport], seconds: float, cpu_seconds: float) -> str:
         f"{sum(r.rejected for r in validated)}  skipped: {sum(r.skipped for r in validated)}  "
         f"missing: {sum(len(r.missing) for r in validated)}",
         f"validator errors: {len(errors)}" + "".join(f"\n  {r.line()}" for r in errors),
-        f"time: {seconds:.1f}s wall, {cpu_seconds:.1f}s CPU",
+        *([f"handler-served ops on real ranks: {len(on_ranks)}  layouts checked: "
+           f"{sum(r.claimed for r in on_ranks)}  correct: {sum(r.correct for r in on_ranks)}  incorrect: "
+           f"{sum(len(r.incorrect) for r in on_ranks)}  raised a clear error: {sum(r.skipped for r in on_ranks)}"]
+          if on_ranks else []),
+        f"time: {seconds:.1f}s wall, {cpu_seconds:.1f}s CPU (this process; --ranks workers apart)",
     ])
