@@ -160,7 +160,7 @@ def test_partial_terms_are_not_the_value_itself():
 #: samples' backward runs; one sample per op and at most SUITE_CHOICES of its planner choices (the
 #: strided ones first, the rest evenly spread): ``python -m dtshard.validate --all`` checks them all
 SUITE_MESHES = [(2, 2)]
-SUITE_CHOICES = 8
+SUITE_CHOICES = 6
 GROUPS = 4
 RULES = sorted((op for op in dtshard.registry.registered_ops() if dtshard.registry.get_entry(op).kind == "rule"),
                key=str)
