@@ -32,7 +32,7 @@ import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 
 from dtshard.propagate import flatten_outputs, lookup, planner_accepts, strategy_choices, tensor_slot
-from dtshard.spec import DTensorSpec, contiguous_strides, is_shard, placements_str
+from dtshard.spec import DTensorSpec, contiguous_strides, placements_str
 from dtshard.validate.samples import Sample, SampleSource
 from dtshard.validate.simulate import SimMesh, Unbuildable, assemble, run_ranks
 
