@@ -17,10 +17,13 @@ Modules:
 - :mod:`~dtshard.validate.check`: one op's validation (claimed, correct, incorrect, rejected,
   skipped, missing);
 - :mod:`~dtshard.validate.report`: report lines, totals and reproductions;
+- :mod:`~dtshard.validate.ranks`: handler-served ops on real ranks (``--ranks``);
 - ``__main__``: the command line.
 
-Handler-served ops (convolution, pooling, norms, losses, ...) run their own code rather than a
-placement choice; they are listed as not validated here (see the README's validator section).
+Where ops run: rule-served ops on simulated ranks (no process group).  Handler-served ops
+(convolution, pooling, norms, losses, attention, foreach, ...) run their own code with
+collectives, so they run as DTensors on the test harness's gloo worker pools with ``--ranks``,
+and are listed as not validated without it.
 """
 
 from dtshard.validate.check import Finding, OpReport, simulate_op, validate_op
