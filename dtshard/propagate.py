@@ -35,7 +35,8 @@ from dtshard.registry import OpCall, RuleEntry, get_entry, op_facts
 from dtshard.spec import (DTensorSpec, TensorMeta, contiguous_strides, is_shard, is_strided, local_region,
                           local_shape, mesh_identity, placements_equal, placements_str, split_factor)
 
-__all__ = ["Plan", "propagate", "NoRuleError", "RuleError", "config"]
+__all__ = ["Plan", "propagate", "NoRuleError", "RuleError", "config", "planner_accepts", "strategy_choices",
+           "tensor_slot"]
 
 _REPLICATE = Replicate()
 _MAX_CHOICES = 4096
@@ -351,63 +352,18 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
             _run_zero_elements(op, op, meta_args, meta_kwargs, shapes, dtypes, (), mesh, global_shapes=True)
         except Exception as e:
             raise type(e)(f"{_error_context(op, specs)}: {e}") if _simple_exc(e) else e
-    out_metas = [None if o is None else o.shape for o in gflat]
-    n_out = len(gflat)
-    in_metas = [tuple(s) for s in shapes]
-
     shape_args = entry.shape_args if entry is not None else {}
     # .out overloads: the out= DTensors are not inputs of the functional rule; they must already
     # have the placements the chosen strategy gives its outputs.
     out_names = op_facts(op).out_names if mode == "out" else ()
     out_slots = {v.k for name, v in meta_kwargs.items() if name in out_names and isinstance(v, _Slot)}
     in_ids = [k for k in range(len(specs)) if k not in out_slots]
-    # 2. strategies
-    if fallback:
-        strategies = []
-    else:
-        call = OpCall(op=_functional_of(op)[0] if mode != "functional" else op,
-                      args=tuple(_to_meta_info(a, specs) for a in meta_args),
-                      kwargs={k: _to_meta_info(v, specs) for k, v in meta_kwargs.items() if k not in out_names},
-                      tensors=tuple(specs[k].tensor_meta for k in in_ids),
-                      strided=tuple(tuple((p.dim, split_factor(p)) for p in specs[k].placements if is_strided(p))
-                                    for k in in_ids))
-        try:
-            raw = list(entry.fn(call))
-        except RuleError:
-            raise
-        except Exception as e:
-            raise RuleError(f"the rule for {op} ({entry.source}) raised {type(e).__name__}: {e}") from e
-        rule_in_metas = [in_metas[k] for k in in_ids]
-        strategies = [_check_strategy(op, s, len(in_ids), n_out, rule_in_metas, out_metas, entry.source) for s in raw]
-    all_r = ((_REPLICATE,) * n_out, (_REPLICATE,) * len(in_ids))
-    if not any(_all_replicate(st) for st in strategies):
-        strategies.append(all_r)
-
-    # 3. expand over mesh dims and price
-    m = len(mesh_shape)
-    n_choices = len(strategies) ** m
-    if n_choices > _MAX_CHOICES:  # keep a huge rule x mesh product bounded: same strategy on every dim
-        combos = [tuple([k] * m) for k in range(len(strategies))]
-    else:
-        combos = list(itertools.product(range(len(strategies)), repeat=m))
+    # 2-3. strategies, expanded over the mesh dims (strided variants included)
+    choices = _expand(op, entry, mode, specs, meta_args, meta_kwargs, gflat, in_ids, out_names, fallback)
     src_pl = [s.placements for s in specs]
     inplace_view = mode == "inplace" and torch.Tag.inplace_view in op.tags
     # per (input k, the strategy indices that give its target): bytes; combos share them on N-D meshes
     costs: dict = {}
-    carry_strided = any(s.has_strided for s in specs) and op not in _EXACT_VIEWS and not fallback
-    choices = []
-    for combo in combos:
-        rule_ins = [tuple(strategies[c][1][j] for c in combo) for j in range(len(in_ids))]
-        outs = tuple(tuple(strategies[c][0][k] for c in combo) for k in range(n_out))
-        ins_list = list(src_pl)
-        for j, k in enumerate(in_ids):
-            ins_list[k] = rule_ins[j]
-        ins = tuple(ins_list)
-        if carry_strided:
-            variant = _strided_variant(specs, in_ids, ins, outs, gflat, mesh_shape)
-            if variant is not None:
-                choices.append((combo + ("strided",), *variant))
-        choices.append((combo, ins, outs))
     # the choices that keep every input where it is cost nothing and move nothing: they sort
     # before all others, so the others are priced (a planner search per input and target) only
     # when none of these passes the local shape check
@@ -482,6 +438,95 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
         f"{_error_context(op, specs)}: no strategy passed the local shape check (not even "
         f"all-Replicate); this is a dtshard bug, please report it with this message."
     )
+
+
+def _expand(op, entry, mode, specs, meta_args, meta_kwargs, gflat, in_ids, out_names, fallback) -> list:
+    """Every choice the planner considers, as ``(combo, input placements, output placements)``:
+    the rule's single-mesh-dim strategies (plus all-Replicate) combined over the mesh dims, each
+    followed, where an input holds a strided shard, by its strided variant (_strided_variant)."""
+    n_out = len(gflat)
+    if fallback:
+        strategies = []
+    else:
+        call = OpCall(op=_functional_of(op)[0] if mode != "functional" else op,
+                      args=tuple(_to_meta_info(a, specs) for a in meta_args),
+                      kwargs={k: _to_meta_info(v, specs) for k, v in meta_kwargs.items() if k not in out_names},
+                      tensors=tuple(specs[k].tensor_meta for k in in_ids),
+                      strided=tuple(tuple((p.dim, split_factor(p)) for p in specs[k].placements if is_strided(p))
+                                    for k in in_ids))
+        try:
+            raw = list(entry.fn(call))
+        except RuleError:
+            raise
+        except Exception as e:
+            raise RuleError(f"the rule for {op} ({entry.source}) raised {type(e).__name__}: {e}") from e
+        rule_in_metas = [tuple(specs[k].shape) for k in in_ids]
+        out_metas = [None if o is None else o.shape for o in gflat]
+        strategies = [_check_strategy(op, s, len(in_ids), n_out, rule_in_metas, out_metas, entry.source) for s in raw]
+    all_r = ((_REPLICATE,) * n_out, (_REPLICATE,) * len(in_ids))
+    if not any(_all_replicate(st) for st in strategies):
+        strategies.append(all_r)
+    mesh_shape = specs[0].mesh_shape
+    m = len(mesh_shape)
+    if len(strategies) ** m > _MAX_CHOICES:  # keep a huge rule x mesh product bounded: same strategy on every dim
+        combos = [tuple([k] * m) for k in range(len(strategies))]
+    else:
+        combos = list(itertools.product(range(len(strategies)), repeat=m))
+    src_pl = [s.placements for s in specs]
+    carry_strided = any(s.has_strided for s in specs) and op not in _EXACT_VIEWS and not fallback
+    choices = []
+    for combo in combos:
+        rule_ins = [tuple(strategies[c][1][j] for c in combo) for j in range(len(in_ids))]
+        outs = tuple(tuple(strategies[c][0][k] for c in combo) for k in range(n_out))
+        ins_list = list(src_pl)
+        for j, k in enumerate(in_ids):
+            ins_list[k] = rule_ins[j]
+        ins = tuple(ins_list)
+        if carry_strided:
+            variant = _strided_variant(specs, in_ids, ins, outs, gflat, mesh_shape)
+            if variant is not None:
+                choices.append((combo + ("strided",), *variant))
+        choices.append((combo, ins, outs))
+    return choices
+
+
+# ---------------------------------------------------------------------------------------------
+# the planner's steps, public for the rule validator (dtshard.validate)
+# ---------------------------------------------------------------------------------------------
+
+
+def tensor_slot(k: int) -> _Slot:
+    """The marker of the ``k``-th DTensor argument in the ``meta_args`` the functions here take."""
+    return _Slot(k)
+
+
+def strategy_choices(op, specs: Sequence[DTensorSpec], meta_args, meta_kwargs) -> tuple[list, list]:
+    """``(global output metadata, [(input placements, output placements), ...])``: every choice
+    the planner considers for a functional ``op`` on inputs with ``specs`` (its rule's strategies
+    expanded over the mesh exactly as :func:`propagate` expands them), unpriced, unchecked."""
+    entry, mode = lookup(op)
+    if entry is None or mode != "functional":
+        raise NoRuleError(f"dtshard has no sharding rule for {_error_context(op, specs)}")
+    meta_fn = entry.meta
+    gflat = _out_metas(op, meta_args, meta_kwargs, [s.shape for s in specs], [s.dtype for s in specs], (),
+                       meta_fn, strides=True)
+    choices = _expand(op, entry, mode, specs, meta_args, meta_kwargs, gflat, list(range(len(specs))), set(), False)
+    return gflat, [(ins, outs) for _, ins, outs in choices]
+
+
+def planner_accepts(op, meta_args, meta_kwargs, in_specs, out_specs) -> bool:
+    """Would the planner use this choice: does it pass the local shape check (and, for a view
+    with strided shards, the exact element check) that :func:`propagate` applies?"""
+    entry, _ = lookup(op)
+    shape_args = entry.shape_args if entry is not None else {}
+    shapes_fn = entry.meta if entry is not None and not shape_args else None
+    local_op = functools.partial(entry.local, op) if entry is not None and entry.local is not None else op
+    mesh_shape = in_specs[0].mesh_shape
+    ok = _check_local(op, meta_args, meta_kwargs, in_specs, out_specs, mesh_shape, shape_args, shapes_fn, local_op)
+    if ok and op in _EXACT_VIEWS and (any(s.has_strided for s in in_specs) or any(
+            o is not None and o.has_strided for o in out_specs)):
+        ok = _view_regions_match(in_specs[0], out_specs[0], mesh_shape)
+    return ok
 
 
 def _lazy(make):

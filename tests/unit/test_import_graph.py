@@ -153,7 +153,7 @@ LAYERS = {
     5: ["dispatch", "tensor"],
     6: ["handlers", "distribute", "factories", "composites", "experimental", "debug", "grad_buckets", "parallel._linear"],
     7: ["rules.*", "spatial.*", "parallel.*", "fsdp.*"],
-    8: ["dtshard", "demo.*", "testing"],
+    8: ["dtshard", "demo.*", "testing", "validate.*"],
 }
 #: imports that run up the layers: none (the dispatcher reaches the halo feature through
 #: dtshard.hooks.layout_extension since issue #28)
