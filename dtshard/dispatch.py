@@ -21,7 +21,7 @@ from dtshard.propagate import Plan, _run_meta, _Slot, lookup, propagate
 from dtshard.redistribute import redistribute_local
 from dtshard.spec import DTensorSpec, contiguous_strides, placements_str
 
-__all__ = ["torch_dispatch", "dispatch", "dispatch_planned", "clear_cache", "cache_info", "mixed_error", "MixedTensorError",
+__all__ = ["torch_dispatch", "dispatch", "dispatch_planned", "rules_path", "clear_cache", "cache_info", "mixed_error", "MixedTensorError",
            "unwrap_call", "local_args", "cached_plan", "redistribute_input"]
 
 _cache: dict[tuple, Plan] = {}
@@ -383,9 +383,10 @@ def torch_dispatch(cls, op, types, args=(), kwargs=None):
     builds the same key.  Ops with a handler, and ``detach``, take their entry in ``_handlers``.
     """
     oid = id(op)  # ops are process-lifetime singletons, and OpOverload.__hash__ is Python-level
-    handler = _handlers.get(oid)
-    if handler is not None:
-        return handler(op, args, kwargs or {})
+    if cls is not _RULES_ONLY:
+        handler = _handlers.get(oid)
+        if handler is not None:
+            return handler(op, args, kwargs or {})
     DT = _DT
     key: list = [oid]
     largs: list = []
@@ -457,6 +458,15 @@ def dispatch(op, args: tuple, kwargs: dict):
     """Run aten ``op`` on DTensor arguments (what ``DTensor.__torch_dispatch__`` does; handlers
     and layout extensions call it to hand an op back to the dispatcher)."""
     return torch_dispatch(None, op, None, args, kwargs)
+
+
+_RULES_ONLY = object()  # torch_dispatch's ``cls`` for a call that skips the handler table
+
+
+def rules_path(op, args: tuple, kwargs: dict):
+    """``op`` through the rules (its cached plan, else :func:`dispatch_planned`), every handler
+    skipped: what a handler hands back the calls it does not take (``handlers.planned``)."""
+    return torch_dispatch(_RULES_ONLY, op, None, args, kwargs)
 
 
 _NO_KWARGS: dict = {}  # never written: the fast path passes it as ``**kwargs`` for a call without
@@ -746,4 +756,4 @@ def _wrap(out, specs, DT):
 registry._on_change.append(_registry_changed)
 _registry_changed()
 
-hooks.runtime_entry_points(torch_dispatch, dispatch, dispatch_planned)  # every DTensor op re-enters these
+hooks.runtime_entry_points(torch_dispatch, dispatch, dispatch_planned, rules_path)  # every DTensor op re-enters these

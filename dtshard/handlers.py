@@ -35,8 +35,9 @@ from torch.distributed.tensor.placement_types import Placement
 
 from dtshard._trace import op_context
 from dtshard.dispatch import MixedTensorError, mixed_error, redistribute_input, resolved_local
-# ``planned(op, args, kwargs)``: the rules' path for the call, every handler skipped
-from dtshard.dispatch import dispatch_planned as planned
+# ``planned(op, args, kwargs)``: the rules' path for the call (its cached plan first), every
+# handler skipped
+from dtshard.dispatch import rules_path as planned
 from dtshard.redistribute import redistribute_local
 from dtshard.spec import DTensorSpec, contiguous_strides
 from dtshard.tensor import DTensor, op_output
