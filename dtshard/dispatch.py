@@ -227,7 +227,10 @@ def clear_cache(*, plans: bool = True) -> None:
 
 
 def _handler_entry(op, fn):
-    """The dispatcher's table entry for ``op``'s handler ``fn`` (wrapped in its layout guards)."""
+    """The dispatcher's table entry for ``op``'s handler ``fn`` (wrapped in its layout guards; a
+    handler before a rule unguarded: it declines what it does not take)."""
+    if registry.front_handlers.get(op) is fn:
+        return fn
     return _guarded(fn, op in registry.strided_handlers or op not in registry._entries,
                     op in registry.layout_data_handlers, registry.op_facts(op).tensor_lists)
 

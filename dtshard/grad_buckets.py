@@ -183,6 +183,8 @@ def _reopenable(grad, new) -> bool:
     if type(grad) is not DTensor or type(new) is not DTensor or torch.compiler.is_compiling():
         return False
     gs, ns = grad._spec, new._spec
+    if gs.has_strided or ns.has_strided or not C.is_member(gs.mesh):
+        return False
     if gs.extra is not None or ns.extra is not None or gs.shape != ns.shape or gs.dtype != ns.dtype \
             or gs.stride != ns.stride or mesh_identity(gs.mesh) != mesh_identity(ns.mesh):
         return False

@@ -159,6 +159,8 @@ handlers: dict[torch._ops.OpOverload, Callable] = {}
 strided_handlers: set = set()
 #: the handlers registered with ``keeps_layout_data=True``
 layout_data_handlers: set = set()
+#: op -> its handler registered with ``before_rule=True`` (the dispatcher calls it unguarded)
+front_handlers: dict = {}
 # Called after every registration change (the dispatcher clears its plan cache).
 _on_change: list[Callable[[], None]] = []
 
@@ -190,6 +192,8 @@ def _changed(*, plans: bool = True, only=None) -> None:
     strided_handlers.update(op for op, e in fronted if e.keeps_strided)
     layout_data_handlers.clear()
     layout_data_handlers.update(op for op, e in fronted if e.keeps_layout_data)
+    front_handlers.clear()
+    front_handlers.update({op: e.fn for op, e in _fronts.items()})
     for scope in _scoped:
         handlers.update(scope)
     for fn in _on_change:
@@ -273,7 +277,10 @@ def register_handler(ops, *, keeps_strided: bool = False, keeps_layout_data: boo
     ``before_rule=True``: the op keeps its rule (``register_rule``), which the planner uses; this
     handler runs first and takes the layouts it specialises (context parallelism's attention
     strategies on a sharded sequence), handing every other call to the rule with
-    ``dtshard.handlers.planned``.  At most one such handler per op."""
+    ``dtshard.handlers.planned``.  At most one such handler per op.  It sees the arguments as
+    they are (no strided-shard conversion, no layout data stripped, on ranks outside the mesh
+    too), so that a call it declines costs only its own test: it takes only the layouts it
+    knows, on member ranks."""
 
     def deco(fn):
         _register(ops, fn, "handler", keeps_strided=keeps_strided, keeps_layout_data=keeps_layout_data,

@@ -65,6 +65,8 @@ def _seq_mesh_dim(q, k, v) -> int | None:
         return None
     if not (sq.mesh is sk.mesh is sv.mesh and sq.placements == sk.placements == sv.placements):
         return None
+    if not C.is_member(sq.mesh):
+        return None  # a rank outside the mesh: the rule's path makes its empty outputs
     seq = q.dim() - 2
     found = None
     for i, p in enumerate(sq.placements):
@@ -248,7 +250,7 @@ def _numel(shape) -> int:
     return n
 
 
-@register_handler(_FWD, before_rule=True, keeps_strided=True)  # strided: to the rule, as they are
+@register_handler(_FWD, before_rule=True)
 def sdpa_context_parallel(op, args, kwargs):
     """Forward attention on sequence-sharded q, k, v (see the module docstring)."""
     q, k, v, dropout_p, is_causal, attn_mask, scale = bind(op, args, kwargs)
@@ -304,7 +306,7 @@ def _lse_dtype(dtype):
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-@register_handler(_BWD, before_rule=True, keeps_strided=True)
+@register_handler(_BWD, before_rule=True)
 def sdpa_context_parallel_backward(op, args, kwargs):
     """Backward of :func:`sdpa_context_parallel` (chooses its strategy again; each is exact)."""
     g, q, k, v, out, lse, dropout_p, is_causal, attn_mask, scale = bind(op, args, kwargs)
