@@ -220,7 +220,8 @@ def _gn_reduce(local, mesh, sums, stat_t, shape, dtype):
 # and every rank merges them the same way (Chan et al.'s parallel formula, in group order:
 # mean = sum n_i m_i / N, M2 = sum M2_i + sum n_i (m_i - mean)^2), which is as stable as a
 # two-pass variance and bitwise identical on every rank.  The counts n_i are metadata: every rank
-# knows every rank's shard shape from the spec, so they do not travel.
+# knows every rank's shard shape from the spec, so they do not travel.  The pairs travel and merge
+# in float64 whatever the input's dtype (2 * 8 bytes per statistic per rank).
 
 
 def _stat_counts(spec, mesh_dims, reduced, coord, per: int = 1) -> list[int]:
@@ -255,13 +256,17 @@ def _fused_stats(xs, dims, counts, mesh, mesh_dims):
         return mean, m2 / n_local
     total = sum(counts)
     k = len(counts)
-    parts = C.all_gather(torch.stack([mean, m2]), mesh, mesh_dims[0] if len(mesh_dims) == 1 else tuple(mesh_dims))
+    # gathered and merged in float64 (a few numbers per statistic): the merged mean is then
+    # rounded once to the accumulation dtype, as PyTorch's CPU kernels do (they accumulate in
+    # double); float32 partial means would add their roundings
+    stats = torch.stack([mean, m2]).to(torch.float64)
+    parts = C.all_gather(stats, mesh, mesh_dims[0] if len(mesh_dims) == 1 else tuple(mesh_dims))
     parts = parts.view((k, 2) + tuple(mean.shape))
-    n = torch.tensor(counts, dtype=xs.dtype, device=xs.device).view((k,) + (1,) * mean.dim())
+    n = torch.tensor(counts, dtype=torch.float64, device=xs.device).view((k,) + (1,) * mean.dim())
     means, m2s = parts[:, 0], parts[:, 1]
     mean = (n * means).sum(0) / total
     m2 = m2s.sum(0) + (n * (means - mean) ** 2).sum(0)
-    return mean, m2 / total
+    return mean.to(xs.dtype), (m2 / total).to(xs.dtype)
 
 
 def _partial_mesh_dims(sums) -> tuple:
@@ -478,6 +483,65 @@ def _bn_local(op, x, rest, training):
     return tuple(res)
 
 
+def _bn_channel_shards(x) -> bool:
+    """Is ``x`` sharded on the channel dim only (what instance norm's view (1, N*C, ...) makes of
+    a batch shard)?  Batch norm is then local to each rank's channels, in training too."""
+    return any(isinstance(p, Shard) for p in x.placements) and all(
+        isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 1) for p in x.placements)
+
+
+def _bn_per_channel(x, t, chan):
+    """A per-channel argument of batch norm: its local chunk of ``x``'s channels (a DTensor of
+    x's channel count), else as it is (a DTensor replicated: an empty saved statistic)."""
+    if not isinstance(t, DTensor):
+        return t
+    if t.ndim == 1 and t.shape[0] == x.shape[1]:
+        return to_local(t, chan)
+    return _local(_rep(t))
+
+
+def _bn_channels(op, x, acts, rest, buffers=(), stats_per_channel=True):
+    """Batch norm (forward or backward, ``op``) on ``x``'s channel shards: the op on each rank's
+    channels (``acts``: the activations laid out like ``x``, first in the op's arguments), the
+    per-channel arguments (``rest``) chunked alike, without a collective.  ``buffers``: the
+    positions in ``rest`` of running statistics the kernel updates in place (written back).
+    Outputs shaped like x keep its placements; per-channel outputs are chunks of the channels
+    (``stats_per_channel``; otherwise an eval's empty saved statistics, replicated)."""
+    mesh = x.device_mesh
+    chan = [Shard(0) if isinstance(p, Shard) else Replicate() for p in x.placements]
+    c = x.shape[1]
+    with op_context(op):
+        xl = [to_local(a, x.placements) for a in acts]
+        rl = [_bn_per_channel(x, t, chan) for t in rest]
+        for k in buffers:
+            if rl[k] is not None:
+                rl[k] = rl[k].clone()
+        if xl[0].numel() == 0:  # no channel on this rank: the kernel refuses an empty input
+            mask = rest[-1] if len(acts) == 2 else [True] * 3
+            outs = [torch.zeros_like(xl[-1])] + [xl[-1].new_empty(0) for _ in range(len(op._schema.returns) - 1)]
+            outs = [o if keep else None for o, keep in zip(outs, mask)]
+        else:
+            outs = op(*xl, *rl)
+        bufs = [k for k in buffers if isinstance(rest[k], DTensor)]
+        if bufs:  # every rank's channels of the running statistics: one all_gather for all of them
+            pieces = _wrap(torch.stack([rl[k] for k in bufs]), mesh, [Shard(1) if isinstance(p, Shard) else p for p in chan],
+                           (len(bufs), c))
+            whole = _rep(pieces)
+            for i, k in enumerate(bufs):
+                aten.copy_.default(rest[k], _to(aten.select.int(whole, 0, i), rest[k].placements))
+    res = []
+    for o in outs:
+        if o is None:
+            res.append(None)
+        elif o.dim() == x.ndim:
+            res.append(_wrap(o, mesh, x.placements, x.shape))
+        elif o.dim() == 1 and stats_per_channel:
+            res.append(_wrap(o, mesh, chan, (c,)))
+        else:
+            res.append(_wrap(o, mesh, [Replicate()] * mesh.ndim, tuple(o.shape)))
+    return tuple(res)
+
+
 def _write_back(dts, locals_):
     for d, loc in zip(dts, locals_):
         if isinstance(d, DTensor) and loc is not None:
@@ -596,6 +660,8 @@ def batch_norm_handler(op, args, kwargs):
         if training and _bn_halo(x):
             return _bn_halo_forward(op, x, w, b, rm, rv, momentum, eps)
         x = _bn_strip(x)
+        if _bn_channel_shards(x):  # channels sharded only: local to each rank's channels
+            return _bn_channels(op, x, [x], [w, b, rm, rv, training, momentum, eps], (2, 3) if training else (), training)
         if training and _bn_sharded(x):
             return _bn_train_forward(op, x, w, b, rm, rv, momentum, eps)
         if training:
@@ -620,6 +686,8 @@ def batch_norm_no_stats_handler(op, args, kwargs):
         if _bn_halo(x):
             return _bn_halo_forward(op, x, w, b, None, None, momentum, eps)
         x = _bn_strip(x)
+        if _bn_channel_shards(x):
+            return _bn_channels(op, x, [x], [w, b, training, momentum, eps])
         if _bn_sharded(x):
             return _bn_train_forward(op, x, w, b, None, None, momentum, eps)
         return _bn_local(op, x, [w, b, training, momentum, eps], True)
@@ -640,6 +708,8 @@ def batch_norm_backward_handler(op, args, kwargs):
             with op_context(op):
                 return _bn_halo_backward(g, x, w, smean, sinv, mask)
         g, x = _bn_strip(g), _bn_strip(x)
+        if _bn_channel_shards(x):
+            return _bn_channels(op, x, [g, x], [w, rm, rv, smean, sinv, train, eps, mask])
         mesh = x.device_mesh
         target = _keep_shards(x, set(range(x.ndim)) - {1})
         x, g = _to(x, target), _to(g, target)

@@ -315,11 +315,11 @@ def _traffic():
 def test_traffic():
     for r in run_distributed(_traffic, 3):
         # group norm over H: ONE all_gather of each rank's (mean, M2) per (N, G) = (2, 2)
-        # statistic (float32: 32 bytes to each of the 2 others), nothing else (never the
+        # statistic (float64: 64 bytes to each of the 2 others), nothing else (never the
         # activation); backward: one all_reduce of the stacked (2, 2, 2) sums
         kinds, nbytes, bkinds, bbytes, placements = r["gn"]
         assert kinds == ["all_gather"], r["gn"]
-        assert nbytes == [2 * (2 * 2 * 2 * 4)], r["gn"]
+        assert nbytes == [2 * (2 * 2 * 2 * 8)], r["gn"]
         assert bkinds == ["all_reduce"] and bbytes[0] <= 2 * 2 * 2 * 4 * 2, r["gn"]
         assert placements == "(Shard(dim=2),)"
         # pooled to 1: a Partial output, no collective; aligned bins: local
