@@ -3,6 +3,8 @@
 Softmax-like ops shard any dim but the one they normalise over.  layer_norm shards the leading
 (batch-like) dims; its weight/bias gradients are sums over those dims, hence Partial(sum).  The
 backward ops are linear in the incoming gradient, so a Partial gradient passes straight through.
+Group norm and batch norm (instance norm is batch norm to PyTorch) are handlers: their statistics
+over sharded dims are merged in ONE collective per direction (see "fused statistics").
 """
 
 from __future__ import annotations
@@ -100,12 +102,13 @@ def layer_norm_backward_rule(call: OpCall):
 #
 # native_group_norm takes the batch size N as an argument, so a batch shard cannot run the op with
 # its global arguments (and a rule's local-shape check would reject it), and over spatial shards
-# its statistics must be global: the handler computes them from Partial sums (see below), keeping
-# the batch, spatial and whole-group channel shards.  Batch norm in training normalises with
-# statistics over every dim but the channels: when those dims are sharded, the local kernel would
-# use local statistics, so the handler computes the GLOBAL mean and variance with DTensor ops (sums
-# become Partial and are reduced once, exact for uneven shards), and the backward uses the global
-# sums as well.
+# its statistics must be global: the handler merges every rank's (see "fused statistics" below),
+# keeping the batch, spatial and whole-group channel shards.  Batch norm in training normalises
+# with statistics over every dim but the channels: when those dims are sharded, the local kernel
+# would use local statistics, so the handler merges the GLOBAL mean and variance the same way (one
+# all_gather of per-rank statistics, exact for uneven and empty shards), and the backward reduces
+# the global sums in one all_reduce; on channel shards alone (instance norm of a batch shard) it
+# runs the kernel on each rank's channels.  Forward one collective, backward one, per norm.
 
 from torch.distributed.tensor.placement_types import Replicate  # noqa: E402
 
@@ -153,17 +156,17 @@ def _wrap(local, mesh, placements, shape):
 # dim of x:
 #
 #   x Shard(0)                  kept; statistics Shard(0); weight/bias grads Partial(sum)
-#   x Shard(d), d >= 2          kept; the (N, G) sums are Partial(sum) on this mesh dim, reduced to
-#                               Replicate (one all_reduce of N*G values per pass); statistics
-#                               Replicate; weight/bias grads Partial(sum)
+#   x Shard(d), d >= 2          kept; the (N, G) statistics are merged over this mesh dim (forward:
+#                               one all_gather of 2*N*G per-rank numbers; backward: one all_reduce
+#                               of N*G*2 sums); statistics Replicate; weight/bias grads Partial(sum)
 #   x Shard(1), groups whole    kept when every channel chunk is made of whole groups and those are
 #                               exactly the rank's chunk of G (blocks_align(C, G)); statistics
 #                               Shard(1); weight/bias (and their grads) Shard(0)
 #   anything else               Replicate
 #
-# Forward, two passes for accuracy: mean = reduce(sum x) / (D*HxW); var = reduce(sum (x-mean)^2) /
-# (D*HxW); rstd = 1/sqrt(var + eps); out = (x-mean)*rstd*w + b, all local but the two reductions of
-# (N_local, G_local) sums.  Backward (xhat = (x-mean)*rstd, gw = g*w per channel):
+# Forward: each rank's (mean, M2) per (N_local, G_local) statistic, merged over the spatial mesh dims
+# in one all_gather (:func:`_fused_stats`); rstd = 1/sqrt(var + eps); out = (x-mean)*rstd*w + b, all
+# local but that collective.  Backward (xhat = (x-mean)*rstd, gw = g*w per channel):
 # grad_input = rstd * (gw - mean(gw) - xhat * mean(gw*xhat)), the two group means reduced as ONE
 # stacked Partial sum; grad_weight = sum g*xhat and grad_bias = sum g over (N, spatial), local sums
 # that are Partial(sum) over the batch and spatial mesh dims.  Every decision depends only on global
