@@ -13,7 +13,9 @@ one process, on every rank:
   statistic (its bytes are statistics, never the activation); backward exactly one all_reduce
   attributed to the norm's backward op (the stacked sums); nothing when no reduced dim is sharded
   (batch shards of group and instance norm; channel shards of batch norm, whose updated running
-  statistics are gathered in one all_gather).
+  statistics are gathered in one all_gather);
+- compiled (``torch.compile(fullgraph=True)``, aot_eager): the same values and gradients, one
+  all_gather per norm in the forward graph and none backward.
 """
 
 from __future__ import annotations
@@ -150,3 +152,64 @@ def test_norm_statistics_one_collective_per_direction(world):
     mesh_shape, cfgs = _cfgs(world)
     for rank, failures in enumerate(run_distributed(_run, abs(world), cfgs, mesh_shape, timeout=300)):
         assert not failures, f"rank {rank}: {len(failures)} failures\n" + "\n".join(failures)
+
+
+def _compiled():
+    """batch norm -> instance norm -> group norm on an H-sharded input under
+    ``torch.compile(fullgraph=True)`` (aot_eager, graphs recorded): values and gradients against
+    one process in float64, and the collectives in the graphs: one all_gather of statistics per
+    norm forward, no all_reduce there; no all_gather backward."""
+    import torch._dynamo
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    torch._dynamo.reset()
+    m = mesh((2,))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 4, 7, 5, generator=g, dtype=torch.float64) * 2 + 5
+    w = 1 + 0.3 * torch.randn(4, generator=g, dtype=torch.float64)
+    b = 0.3 * torch.randn(4, generator=g, dtype=torch.float64)
+    gy = torch.randn(2, 4, 7, 5, generator=g, dtype=torch.float64)
+
+    def fn(t, ww, bb, rm, rv):
+        t = F.batch_norm(t, rm, rv, ww, bb, training=True)
+        t = F.instance_norm(t, weight=ww, bias=bb)
+        return F.group_norm(t, 2, ww, bb)
+
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm.code)
+        return make_boxed_func(gm.forward)
+
+    xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
+    rmr, rvr = torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)
+    ref = fn(xr, wr, br, rmr, rvr)
+    (ref * gy).sum().backward()
+    rep = [Replicate()]
+    xd = dtshard.distribute_tensor(x, m, Ps(["S2"])).requires_grad_()
+    wd, bd = (dtshard.distribute_tensor(t, m, rep).requires_grad_() for t in (w, b))
+    rmd = dtshard.distribute_tensor(torch.zeros(4, dtype=torch.float64), m, rep)
+    rvd = dtshard.distribute_tensor(torch.ones(4, dtype=torch.float64), m, rep)
+    cfn = torch.compile(fn, backend=aot_autograd(fw_compiler=record, bw_compiler=record), fullgraph=True)
+    y = cfn(xd, wd, bd, rmd, rvd)
+    y.backward(dtshard.distribute_tensor(gy, m, y.placements))
+    errs = {}
+    for name, a, r in (("out", y.detach().full_tensor(), ref.detach()), ("grad_x", xd.grad.full_tensor(), xr.grad),
+                       ("grad_w", wd.grad.full_tensor(), wr.grad), ("grad_b", bd.grad.full_tensor(), br.grad),
+                       ("running_mean", rmd.full_tensor(), rmr), ("running_var", rvd.full_tensor(), rvr)):
+        errs[name] = float((a - r).abs().max() / r.abs().max())
+    fw, bw = graphs[0], graphs[-1]
+    return (errs, str(y.placements), fw.count("_c10d_functional.all_gather_into_tensor"),
+            fw.count("_c10d_functional.all_reduce"), bw.count("_c10d_functional.all_gather_into_tensor"),
+            bw.count("_c10d_functional.all_reduce.default("), len(graphs))
+
+
+def test_norm_statistics_compiled():
+    for rank, (errs, placements, fw_ag, fw_ar, bw_ag, bw_ar, n_graphs) in enumerate(run_distributed(_compiled, 2)):
+        bad = {k: v for k, v in errs.items() if not v <= 1e-12}
+        assert not bad, f"rank {rank}: {bad}"
+        assert placements == "(Shard(dim=2),)"
+        assert n_graphs == 2  # one forward, one backward graph: no graph break
+        assert (fw_ag, fw_ar, bw_ag) == (3, 0, 0), (fw_ag, fw_ar, bw_ag)
+        assert bw_ar >= 3, bw_ar  # one stacked reduction per norm (+ the weight gradients')
