@@ -107,18 +107,26 @@ def _bench(rank, world, args, q):
                     torch.set_num_threads(1)
                 dist.barrier()
                 (t_dist if side == 0 else t_ref).append(time.perf_counter() - t0)
-        # activation memory of one forward + backward (gradient buffers exist already)
+        # activation memory of one forward + backward (gradient buffers exist already), and of the
+        # forward alone (what it keeps for backward: the activations, without the gradients'
+        # accumulation and the gradient bucket that the backward's peak includes)
         peak = peak_alloc_bytes(lambda: F.mse_loss(model(xd), yd).backward())
-        peak_ref = 0
+        kept = []
+        fwd = peak_alloc_bytes(lambda: kept.append(F.mse_loss(model(xd), yd)))
+        kept.pop().backward()
+        peak_ref = fwd_ref = 0
         if rank == 0:
             torch.set_num_threads(2)
             peak_ref = peak_alloc_bytes(lambda: F.mse_loss(ref(x), y).backward())
+            fwd_ref = peak_alloc_bytes(lambda: kept.append(F.mse_loss(ref(x), y)))
+            kept.pop().backward()
             torch.set_num_threads(1)
-        peaks = [None] * world
+        peaks, fwds = [None] * world, [None] * world
         dist.all_gather_object(peaks, peak)
+        dist.all_gather_object(fwds, fwd)
         row = dict(name=name, shape=shape, dim=dim, ms=1e3 * statistics.median(t_dist),
                    ms_ref=1e3 * statistics.median(t_ref), kinds=kinds, sent=sent, ag_ops=ag_ops,
-                   peak=max(peaks), peak_ref=peak_ref, loss=loss, rloss=rloss, local=tuple(xd.to_local().shape),
+                   peak=max(peaks), peak_ref=peak_ref, fwd=max(fwds), fwd_ref=fwd_ref, loss=loss, rloss=rloss, local=tuple(xd.to_local().shape),
                    load=os.getloadavg()[0])
         if rank == 0:
             q.put(row)  # each config as it is done
@@ -157,8 +165,9 @@ def main(argv=None):
     print(f"torch {torch.__version__}, {world} ranks x 1 thread vs 1 process x 2 threads, {args.reps} reps, "
           f"load {os.getloadavg()[0]:.1f} at the start")
     print("| model | input (global) | sharded | step ms, 2 ranks | 1 process | ratio | collectives / step "
-          "| MiB sent / rank | peak act. MiB / rank | 1 process | ratio | loss 2 ranks / 1 process | load |")
-    print("|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---|---:|", flush=True)
+          "| MiB sent / rank | fwd+bwd peak MiB / rank | 1 process | ratio | forward peak MiB / rank | 1 process "
+          "| ratio | loss 2 ranks / 1 process | load |")
+    print("|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|", flush=True)
     rows = []
     for _ in args.configs:
         r = q.get(timeout=3600)
@@ -166,7 +175,8 @@ def main(argv=None):
         print(f"| {r['name']} | {'x'.join(map(str, r['shape']))} | {'NCDHW'[r['dim']] if len(r['shape']) == 5 else 'NCHW'[r['dim']]} "
               f"(local {r['local'][r['dim']]}) | {r['ms']:.0f} | {r['ms_ref']:.0f} | {r['ms'] / r['ms_ref']:.2f} "
               f"| {_kinds(r['kinds'])} | {r['sent'] / 2**20:.2f} | {r['peak'] / 2**20:.1f} | {r['peak_ref'] / 2**20:.1f} "
-              f"| {r['peak'] / max(r['peak_ref'], 1):.2f} | {r['loss']:.6f} / {r['rloss']:.6f} | {r['load']:.1f} |",
+              f"| {r['peak'] / max(r['peak_ref'], 1):.2f} | {r['fwd'] / 2**20:.1f} | {r['fwd_ref'] / 2**20:.1f} "
+              f"| {r['fwd'] / max(r['fwd_ref'], 1):.2f} | {r['loss']:.6f} / {r['rloss']:.6f} | {r['load']:.1f} |",
               flush=True)
     for proc in procs:
         proc.join(60)
