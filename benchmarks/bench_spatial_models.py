@@ -126,11 +126,12 @@ def _bench(rank, world, args, q):
         dist.all_gather_object(fwds, fwd)
         row = dict(name=name, shape=shape, dim=dim, ms=1e3 * statistics.median(t_dist),
                    ms_ref=1e3 * statistics.median(t_ref), kinds=kinds, sent=sent, ag_ops=ag_ops,
-                   peak=max(peaks), peak_ref=peak_ref, fwd=max(fwds), fwd_ref=fwd_ref, loss=loss, rloss=rloss, local=tuple(xd.to_local().shape),
+                   peak=max(peaks), peak_ref=peak_ref, fwd=max(fwds), fwd_ref=fwd_ref, loss=loss, rloss=rloss,
+                   local=tuple(xd.to_local().shape),
                    load=os.getloadavg()[0])
         if rank == 0:
             q.put(row)  # each config as it is done
-        del model, ref, opt, ropt
+        model = ref = opt = ropt = None  # freed before the next config
 
 
 def _entry(rank, world, port, args, q):
@@ -172,9 +173,11 @@ def main(argv=None):
     for _ in args.configs:
         r = q.get(timeout=3600)
         rows.append(r)
-        print(f"| {r['name']} | {'x'.join(map(str, r['shape']))} | {'NCDHW'[r['dim']] if len(r['shape']) == 5 else 'NCHW'[r['dim']]} "
+        where = ("NCDHW" if len(r["shape"]) == 5 else "NCHW")[r["dim"]]
+        print(f"| {r['name']} | {'x'.join(map(str, r['shape']))} | {where} "
               f"(local {r['local'][r['dim']]}) | {r['ms']:.0f} | {r['ms_ref']:.0f} | {r['ms'] / r['ms_ref']:.2f} "
-              f"| {_kinds(r['kinds'])} | {r['sent'] / 2**20:.2f} | {r['peak'] / 2**20:.1f} | {r['peak_ref'] / 2**20:.1f} "
+              f"| {_kinds(r['kinds'])} | {r['sent'] / 2**20:.2f} | {r['peak'] / 2**20:.1f} "
+              f"| {r['peak_ref'] / 2**20:.1f} "
               f"| {r['peak'] / max(r['peak_ref'], 1):.2f} | {r['fwd'] / 2**20:.1f} | {r['fwd_ref'] / 2**20:.1f} "
               f"| {r['fwd'] / max(r['fwd_ref'], 1):.2f} | {r['loss']:.6f} / {r['rloss']:.6f} | {r['load']:.1f} |",
               flush=True)

@@ -5,8 +5,8 @@ of one training step, and its values against one process.
   no collective count), images (2, 3, 64, 64) sharded on H over 2 ranks, float64: the output,
   every parameter gradient and every running statistic equal one process to 1e-10 relative on
   every rank; one step issues at most 45 all_reduces (20 batch-norm backward reductions, the
-  gradient bucket, the pooled features at the head: 23) and no all_gather but the 20 batch norms' statistics (2 numbers per channel
-  per rank), never an activation; the halo exchanges are the convolutions' and the max pool's.
+  gradient bucket, the pooled features at the head: 23) and no all_gather but the 20 batch
+  norms' statistics (2 numbers per channel per rank), never an activation; the halo exchanges are the convolutions' and the max pool's.
 - ``dtshard.models.MonaiUNet3d`` (MONAI's UNet structure: residual units of strided conv ->
   InstanceNorm -> PReLU, transposed convolutions, skip concatenation), volumes (2, 1, 16, 8, 8)
   sharded on D over 2 ranks, float64: output and gradients equal one process to 1e-12 (gradients
@@ -78,7 +78,8 @@ def _step(kind: str):
             "gathers": [(r.op, r.nbytes) for r in comm.records if r.kind == "all_gather"],
             "reduces": dict(Counter(r.op for r in comm.records if r.kind == "all_reduce")),
             "a2a": sorted({r.op for r in comm.records if r.kind == "all_to_all"}),
-            "other": [(r.kind, r.op, r.nbytes) for r in comm.records if r.kind not in ("all_to_all", "all_gather", "all_reduce")],
+            "other": [(r.kind, r.op, r.nbytes) for r in comm.records
+                      if r.kind not in ("all_to_all", "all_gather", "all_reduce")],
             "max_channels": max(channels), "norms": len([m for m in model.modules()
                                                         if isinstance(m, torch.nn.modules.batchnorm._NormBase)])}
 
