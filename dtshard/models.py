@@ -32,6 +32,7 @@ import torch.nn.functional as F
 __all__ = [
     "ResidualMLP",
     "unet", "unet_params", "unet_stats", "train_unet",
+    "UNet3d", "ResNet18", "BasicBlock", "MonaiUNet3d", "ResidualUnit3d",
     "LlamaConfig", "Transformer", "tp_plan", "parallelize",
 ]
 
@@ -179,6 +180,111 @@ class UNet3d(nn.Module):
         m = self.mid(self.down2(e2))               # D/4
         d2 = self.dec2(torch.cat([self._up(self.up2, m), e2], dim=1))
         d1 = self.dec1(torch.cat([self._up(self.up1, d2), e1], dim=1))
+        return self.head(d1)
+
+
+# ---------------------------------------------------------------------------------------------
+# ResNet-18 (torchvision's layout) and a MONAI-style 3-D UNet: third-party architectures, our own
+# definitions (no torchvision / MONAI dependency)
+# ---------------------------------------------------------------------------------------------
+
+
+class BasicBlock(nn.Module):
+    """torchvision's ResNet ``BasicBlock``: conv3x3 (stride) -> BN -> ReLU -> conv3x3 -> BN, plus
+    the identity or a 1x1 strided conv + BN, then ReLU."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int = 1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.downsample = None
+        if stride != 1 or c_in != c_out:
+            self.downsample = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False), nn.BatchNorm2d(c_out))
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + (x if self.downsample is None else self.downsample(x)))
+
+
+class ResNet18(nn.Module):
+    """torchvision's ``resnet18`` layout (same modules, names and shapes for ``width=64``): a 7x7
+    stride-2 stem conv, BN, ReLU, 3x3 stride-2 max pool, four stages of two :class:`BasicBlock`
+    (``width``, 2, 4, 8 times ``width`` channels, stride 2 from the second stage on), global average
+    pooling and a linear head.  20 BatchNorm2d layers.  ``width`` shrinks it for tests."""
+
+    def __init__(self, num_classes: int = 1000, width: int = 64, c_in: int = 3):
+        super().__init__()
+        w = width
+        self.conv1 = nn.Conv2d(c_in, w, 7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(w)
+        self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
+        self.layer1 = nn.Sequential(BasicBlock(w, w), BasicBlock(w, w))
+        self.layer2 = nn.Sequential(BasicBlock(w, 2 * w, 2), BasicBlock(2 * w, 2 * w))
+        self.layer3 = nn.Sequential(BasicBlock(2 * w, 4 * w, 2), BasicBlock(4 * w, 4 * w))
+        self.layer4 = nn.Sequential(BasicBlock(4 * w, 8 * w, 2), BasicBlock(8 * w, 8 * w))
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(8 * w, num_classes)
+
+    def forward(self, x):
+        x = self.maxpool(F.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+class ResidualUnit3d(nn.Module):
+    """MONAI's ``ResidualUnit`` (two subunits of conv -> InstanceNorm -> PReLU, the first with the
+    stride; the residual path a strided 3x3x3 conv when the shape changes, else the identity)."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int = 1):
+        super().__init__()
+        self.conv1 = nn.Conv3d(c_in, c_out, 3, stride=stride, padding=1)
+        self.norm1 = nn.InstanceNorm3d(c_out, affine=False)
+        self.act1 = nn.PReLU()
+        self.conv2 = nn.Conv3d(c_out, c_out, 3, padding=1)
+        self.norm2 = nn.InstanceNorm3d(c_out, affine=False)
+        self.act2 = nn.PReLU()
+        self.residual = None
+        if stride != 1 or c_in != c_out:
+            self.residual = nn.Conv3d(c_in, c_out, 3 if stride != 1 else 1, stride=stride, padding=1 if stride != 1 else 0)
+
+    def forward(self, x):
+        y = self.act1(self.norm1(self.conv1(x)))
+        y = self.act2(self.norm2(self.conv2(y)))
+        return y + (x if self.residual is None else self.residual(x))
+
+
+class MonaiUNet3d(nn.Module):
+    """A MONAI-style ``UNet`` (``monai.networks.nets.UNet(spatial_dims=3, channels=(w, 2w, 4w),
+    strides=(2, 2), num_res_units=2)``'s structure): encoder residual units that downsample with
+    a stride-2 convolution, a bottom residual unit, a decoder of transposed convolutions (stride 2)
+    -> InstanceNorm -> PReLU, concatenation with the skip and a residual unit; a 1x1x1 head.
+    InstanceNorm without affine parameters (MONAI's default), PReLU with one weight.  Volume
+    sides divisible by 4."""
+
+    def __init__(self, c_in: int = 1, c_out: int = 2, width: int = 4):
+        super().__init__()
+        w = width
+        self.enc1 = ResidualUnit3d(c_in, w)            # D
+        self.down1 = ResidualUnit3d(w, 2 * w, 2)       # D/2
+        self.down2 = ResidualUnit3d(2 * w, 4 * w, 2)   # D/4
+        self.bottom = ResidualUnit3d(4 * w, 4 * w)
+        self.up2 = nn.ConvTranspose3d(4 * w, 2 * w, 2, stride=2)
+        self.up2_norm, self.up2_act = nn.InstanceNorm3d(2 * w), nn.PReLU()
+        self.dec2 = ResidualUnit3d(4 * w, 2 * w)
+        self.up1 = nn.ConvTranspose3d(2 * w, w, 2, stride=2)
+        self.up1_norm, self.up1_act = nn.InstanceNorm3d(w), nn.PReLU()
+        self.dec1 = ResidualUnit3d(2 * w, w)
+        self.head = nn.Conv3d(w, c_out, 1)
+
+    def forward(self, x):
+        e1 = self.enc1(x)
+        e2 = self.down1(e1)
+        b = self.bottom(self.down2(e2))
+        d2 = self.dec2(torch.cat([self.up2_act(self.up2_norm(self.up2(b))), e2], dim=1))
+        d1 = self.dec1(torch.cat([self.up1_act(self.up1_norm(self.up1(d2))), e1], dim=1))
         return self.head(d1)
 
 

@@ -3,6 +3,8 @@
 Softmax-like ops shard any dim but the one they normalise over.  layer_norm shards the leading
 (batch-like) dims; its weight/bias gradients are sums over those dims, hence Partial(sum).  The
 backward ops are linear in the incoming gradient, so a Partial gradient passes straight through.
+Group norm and batch norm (instance norm is batch norm to PyTorch) are handlers: their statistics
+over sharded dims are merged in ONE collective per direction (see "fused statistics").
 """
 
 from __future__ import annotations
@@ -100,12 +102,13 @@ def layer_norm_backward_rule(call: OpCall):
 #
 # native_group_norm takes the batch size N as an argument, so a batch shard cannot run the op with
 # its global arguments (and a rule's local-shape check would reject it), and over spatial shards
-# its statistics must be global: the handler computes them from Partial sums (see below), keeping
-# the batch, spatial and whole-group channel shards.  Batch norm in training normalises with
-# statistics over every dim but the channels: when those dims are sharded, the local kernel would
-# use local statistics, so the handler computes the GLOBAL mean and variance with DTensor ops (sums
-# become Partial and are reduced once, exact for uneven shards), and the backward uses the global
-# sums as well.
+# its statistics must be global: the handler merges every rank's (see "fused statistics" below),
+# keeping the batch, spatial and whole-group channel shards.  Batch norm in training normalises
+# with statistics over every dim but the channels: when those dims are sharded, the local kernel
+# would use local statistics, so the handler merges the GLOBAL mean and variance the same way (one
+# all_gather of per-rank statistics, exact for uneven and empty shards), and the backward reduces
+# the global sums in one all_reduce; on channel shards alone (instance norm of a batch shard) it
+# runs the kernel on each rank's channels.  Forward one collective, backward one, per norm.
 
 from torch.distributed.tensor.placement_types import Replicate  # noqa: E402
 
@@ -113,6 +116,7 @@ from dtshard import collectives as C  # noqa: E402
 from dtshard.handlers import (  # noqa: E402
     DTensor, bind, check_dtensors, make_spec, meta_run, op_context, to_local, wrap)
 from dtshard.registry import register_handler  # noqa: E402
+from dtshard.layout import group_coords
 from dtshard.spatial.adaptive_pool import blocks_align
 from dtshard.spec import placements_str
 from dtshard.redistribute import redistribute_local
@@ -153,17 +157,17 @@ def _wrap(local, mesh, placements, shape):
 # dim of x:
 #
 #   x Shard(0)                  kept; statistics Shard(0); weight/bias grads Partial(sum)
-#   x Shard(d), d >= 2          kept; the (N, G) sums are Partial(sum) on this mesh dim, reduced to
-#                               Replicate (one all_reduce of N*G values per pass); statistics
-#                               Replicate; weight/bias grads Partial(sum)
+#   x Shard(d), d >= 2          kept; the (N, G) statistics are merged over this mesh dim (forward:
+#                               one all_gather of 2*N*G per-rank numbers; backward: one all_reduce
+#                               of N*G*2 sums); statistics Replicate; weight/bias grads Partial(sum)
 #   x Shard(1), groups whole    kept when every channel chunk is made of whole groups and those are
 #                               exactly the rank's chunk of G (blocks_align(C, G)); statistics
 #                               Shard(1); weight/bias (and their grads) Shard(0)
 #   anything else               Replicate
 #
-# Forward, two passes for accuracy: mean = reduce(sum x) / (D*HxW); var = reduce(sum (x-mean)^2) /
-# (D*HxW); rstd = 1/sqrt(var + eps); out = (x-mean)*rstd*w + b, all local but the two reductions of
-# (N_local, G_local) sums.  Backward (xhat = (x-mean)*rstd, gw = g*w per channel):
+# Forward: each rank's (mean, M2) per (N_local, G_local) statistic, merged over the spatial mesh dims
+# in one all_gather (:func:`_fused_stats`); rstd = 1/sqrt(var + eps); out = (x-mean)*rstd*w + b, all
+# local but that collective.  Backward (xhat = (x-mean)*rstd, gw = g*w per channel):
 # grad_input = rstd * (gw - mean(gw) - xhat * mean(gw*xhat)), the two group means reduced as ONE
 # stacked Partial sum; grad_weight = sum g*xhat and grad_bias = sum g over (N, spatial), local sums
 # that are Partial(sum) over the batch and spatial mesh dims.  Every decision depends only on global
@@ -208,6 +212,72 @@ def _gn_reduce(local, mesh, sums, stat_t, shape, dtype):
     return redistribute_local(local, make_spec(mesh, sums, shape, dtype), stat_t)
 
 
+# ---- fused statistics: one collective per norm forward ----------------------------------------
+#
+# A norm's statistics over sharded dims need the global mean and variance.  Reducing the sum, then
+# the centred squares about the global mean, is two collectives; one all_reduce of (sum, sum of
+# squares) is unstable (the variance is a difference of two large numbers when |mean| >> std),
+# and a shift every rank knows without communication does not exist in general (group norm has
+# none; batch norm's running mean is 0 at the first step).  So each rank computes its own
+# (mean, M2) per statistic (``torch.var_mean``, float32 at least), the pairs of the group are
+# gathered in ONE all_gather (2 numbers per statistic per rank: statistics, never activations),
+# and every rank merges them the same way (Chan et al.'s parallel formula, in group order:
+# mean = sum n_i m_i / N, M2 = sum M2_i + sum n_i (m_i - mean)^2), which is as stable as a
+# two-pass variance and bitwise identical on every rank.  The counts n_i are metadata: every rank
+# knows every rank's shard shape from the spec, so they do not travel.  The pairs travel and merge
+# in float64 whatever the input's dtype (2 * 8 bytes per statistic per rank).
+
+
+def _stat_counts(spec, mesh_dims, reduced, coord, per: int = 1) -> list[int]:
+    """For each rank of the (flattened) group of ``mesh_dims`` around ``coord``, in group order:
+    how many elements of one statistic its shard of ``spec`` holds (the product of its local
+    sizes over the tensor dims ``reduced``, times ``per``)."""
+    out = []
+    for c in group_coords(spec.mesh_shape, mesh_dims, coord):
+        shape = spec.local_shape(c)
+        n = per
+        for d in reduced:
+            n *= shape[d]
+        out.append(n)
+    return out
+
+
+def _fused_stats(xs, dims, counts, mesh, mesh_dims):
+    """(mean, biased var) over ``dims`` of the local ``xs`` (accumulation dtype) merged over the
+    group of ``mesh_dims`` (``counts``: elements per statistic of each member, group order) with
+    one all_gather of the per-rank (mean, M2); no collective when ``mesh_dims`` is empty."""
+    dims = tuple(d % xs.dim() for d in dims)
+    n_local = 1
+    for d in dims:
+        n_local *= xs.shape[d]
+    if n_local:
+        var, mean = torch.var_mean(xs, dims, correction=0)
+        m2 = var * n_local
+    else:  # an empty shard contributes nothing (its count is 0)
+        shape = [s for d, s in enumerate(xs.shape) if d not in dims]
+        mean = m2 = xs.new_zeros(shape)
+    if not mesh_dims:
+        return mean, m2 / n_local
+    total = sum(counts)
+    k = len(counts)
+    # gathered and merged in float64 (a few numbers per statistic): the merged mean is then
+    # rounded once to the accumulation dtype, as PyTorch's CPU kernels do (they accumulate in
+    # double); float32 partial means would add their roundings
+    stats = torch.stack([mean, m2]).to(torch.float64)
+    parts = C.all_gather(stats, mesh, mesh_dims[0] if len(mesh_dims) == 1 else tuple(mesh_dims))
+    parts = parts.view((k, 2) + tuple(mean.shape))
+    n = torch.tensor(counts, dtype=torch.float64, device=xs.device).view((k,) + (1,) * mean.dim())
+    means, m2s = parts[:, 0], parts[:, 1]
+    mean = (n * means).sum(0) / total
+    m2 = m2s.sum(0) + (n * (means - mean) ** 2).sum(0)
+    return mean.to(xs.dtype), (m2 / total).to(xs.dtype)
+
+
+def _partial_mesh_dims(sums) -> tuple:
+    """The mesh dims whose local sums are Partial (the statistics are merged over them)."""
+    return tuple(i for i, p in enumerate(sums) if isinstance(p, Partial))
+
+
 def _gn_halo(x, x_t, weight, bias) -> bool:
     """Does this group norm compute on ``x``'s halo?  When the halo is replicated, on spatial
     dims, and nothing moves (see :mod:`dtshard.spatial`): the statistics then come from the
@@ -248,7 +318,6 @@ def group_norm_handler(op, args, kwargs):
     if halos(x._spec) and not keep:
         x = SL.strip(x)
     d = c // group
-    count = d * hxw
     with torch.no_grad(), op_context(op):
         xl = x._local_tensor if keep else to_local(x, x_t)
         wl = None if weight is None else to_local(weight, chan_t)
@@ -257,13 +326,12 @@ def group_norm_handler(op, args, kwargs):
         gl = cl // d
         xo = _owned(xl, x._spec, C.mesh_coordinate(mesh)) if keep else xl  # the statistics' rows
         xg = _gn_acc(xo).reshape(nl, gl, d * _spatial_numel(xo))
-        acc = xg.dtype
-        mean = _gn_reduce(xg.sum(-1), mesh, sums, stat_t, (n, group), acc) / count
-        xc = xg - mean.unsqueeze(-1)
-        var = _gn_reduce((xc * xc).sum(-1), mesh, sums, stat_t, (n, group), acc) / count
+        red = _partial_mesh_dims(sums)
+        counts = _stat_counts(make_spec(mesh, x_t, x.shape, x.dtype), red, range(2, x.ndim), C.mesh_coordinate(mesh),
+                              d) if red else ()
+        mean, var = _fused_stats(xg, (-1,), counts, mesh, red)
         rstd = torch.rsqrt(var + eps)
-        if keep:  # normalise every row the tensor carries
-            xc = _gn_acc(xl).reshape(nl, gl, d * _spatial_numel(xl)) - mean.unsqueeze(-1)
+        xc = _gn_acc(xl).reshape(nl, gl, d * _spatial_numel(xl)) - mean.unsqueeze(-1)
         y = (xc * rstd.unsqueeze(-1)).reshape(xl.shape)
         shape = [1, cl] + [1] * (xl.dim() - 2)
         if wl is not None:
@@ -356,11 +424,6 @@ def group_norm_backward_handler(op, args, kwargs):
     return gi, gw, gb
 
 
-def _bn_shape(x, v):
-    """View a per-channel (C,) DTensor as (1, C, 1, ...) to broadcast against x."""
-    return aten.view.default(v, [1, x.shape[1]] + [1] * (x.ndim - 2))
-
-
 def _bn_dims(x):
     return [0] + list(range(2, x.ndim))
 
@@ -369,29 +432,46 @@ def _bn_sharded(x) -> bool:
     return any(isinstance(p, Partial) or (isinstance(p, Shard) and p.dim != 1) for p in x.placements)
 
 
-def _bn_train_forward(x, weight, bias, running_mean, running_var, momentum, eps):
-    """Global-statistics batch norm written with DTensor ops; returns (out, mean, invstd)."""
-    x = _to(x, _keep_shards(x, set(range(x.ndim)) - {1}))
-    dims = _bn_dims(x)
-    n = x.numel() // x.shape[1]
-    mean = aten.div.Scalar(aten.sum.dim_IntList(x, dims), n)
-    centered = aten.sub.Tensor(x, _bn_shape(x, _rep(mean)))
-    var = aten.div.Scalar(aten.sum.dim_IntList(aten.mul.Tensor(centered, centered), dims), n)
-    var = _rep(var)
-    invstd = aten.rsqrt.default(aten.add.Scalar(var, eps))
-    out = aten.mul.Tensor(centered, _bn_shape(x, invstd))
+def _bn_train_forward(op, x, weight, bias, running_mean, running_var, momentum, eps):
+    """Batch norm in training with global statistics on local shards: x keeps its shards off the
+    channel dim, the per-channel (mean, var) come from one all_gather of the per-rank (mean, M2)
+    (:func:`_fused_stats`); returns (out, mean, invstd)."""
+    mesh = x.device_mesh
+    target = _keep_shards(x, set(range(x.ndim)) - {1})
+    with op_context(op):
+        xl = to_local(x, target)
+        out, mean, invstd = _bn_stats_normalise(x, make_spec(mesh, target, x.shape, x.dtype), xl, xl, weight, bias,
+                                                running_mean, running_var, momentum, eps)
+    rep = [Replicate()] * mesh.ndim
+    return (wrap(out.to(x.dtype), make_spec(mesh, target, x.shape, x.dtype)),
+            _wrap(mean.to(x.dtype), mesh, rep, (x.shape[1],)), _wrap(invstd.to(x.dtype), mesh, rep, (x.shape[1],)))
+
+
+def _bn_stats_normalise(x, spec, xo, xl, weight, bias, running_mean, running_var, momentum, eps):
+    """The local part of training batch norm: statistics of the owned local rows ``xo`` (laid
+    out as ``spec``) merged over the sharded mesh dims in one collective, the running statistics
+    updated, every row of ``xl`` normalised; (out, mean, invstd) as local tensors (accumulation
+    dtype)."""
+    mesh = x.device_mesh
+    c = x.shape[1]
+    n = x.numel() // c
+    dims = tuple(_bn_dims(xl))
+    shape = [1, c] + [1] * (xl.dim() - 2)
+    red = _partial_mesh_dims(_bn_sums(spec))
+    counts = _stat_counts(spec, red, dims, C.mesh_coordinate(mesh)) if red else ()
+    mean, var = _fused_stats(_gn_acc(xo), dims, counts, mesh, red)
+    invstd = torch.rsqrt(var + eps)
+    y = (_gn_acc(xl) - mean.view(shape)) * invstd.view(shape)
     if weight is not None:
-        out = aten.mul.Tensor(out, _bn_shape(x, _rep(weight)))
+        y = y * _gn_acc(_local(_rep(weight))).view(shape)
     if bias is not None:
-        out = aten.add.Tensor(out, _bn_shape(x, _rep(bias)))
-    if running_mean is not None:
-        new = aten.add.Tensor(aten.mul.Scalar(_rep(running_mean), 1 - momentum), aten.mul.Scalar(_rep(mean), momentum))
-        aten.copy_.default(running_mean, _to(new, running_mean.placements))
-    if running_var is not None:
-        unbiased = aten.mul.Scalar(var, n / (n - 1) if n > 1 else float("inf"))
-        new = aten.add.Tensor(aten.mul.Scalar(_rep(running_var), 1 - momentum), aten.mul.Scalar(unbiased, momentum))
-        aten.copy_.default(running_var, _to(new, running_var.placements))
-    return out, _rep(mean), invstd
+        y = y + _gn_acc(_local(_rep(bias))).view(shape)
+    rep = [Replicate()] * mesh.ndim
+    for buf, new in ((running_mean, mean), (running_var, var * (n / (n - 1) if n > 1 else float("inf")))):
+        if buf is not None:
+            upd = _local(_rep(buf)) * (1 - momentum) + new.to(buf.dtype) * momentum
+            aten.copy_.default(buf, _to(_wrap(upd, mesh, rep, (c,)), buf.placements))
+    return y, mean, invstd
 
 
 def _bn_local(op, x, rest, training):
@@ -404,6 +484,65 @@ def _bn_local(op, x, rest, training):
     res = [_wrap(outs[0], mesh, target, x.shape)]
     for o in outs[1:]:
         res.append(_wrap(o, mesh, [Replicate()] * mesh.ndim, tuple(o.shape)))
+    return tuple(res)
+
+
+def _bn_channel_shards(x) -> bool:
+    """Is ``x`` sharded on the channel dim only (what instance norm's view (1, N*C, ...) makes of
+    a batch shard)?  Batch norm is then local to each rank's channels, in training too."""
+    return any(isinstance(p, Shard) for p in x.placements) and all(
+        isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 1) for p in x.placements)
+
+
+def _bn_per_channel(x, t, chan):
+    """A per-channel argument of batch norm: its local chunk of ``x``'s channels (a DTensor of
+    x's channel count), else as it is (a DTensor replicated: an empty saved statistic)."""
+    if not isinstance(t, DTensor):
+        return t
+    if t.ndim == 1 and t.shape[0] == x.shape[1]:
+        return to_local(t, chan)
+    return _local(_rep(t))
+
+
+def _bn_channels(op, x, acts, rest, buffers=(), stats_per_channel=True):
+    """Batch norm (forward or backward, ``op``) on ``x``'s channel shards: the op on each rank's
+    channels (``acts``: the activations laid out like ``x``, first in the op's arguments), the
+    per-channel arguments (``rest``) chunked alike, without a collective.  ``buffers``: the
+    positions in ``rest`` of running statistics the kernel updates in place (written back).
+    Outputs shaped like x keep its placements; per-channel outputs are chunks of the channels
+    (``stats_per_channel``; otherwise an eval's empty saved statistics, replicated)."""
+    mesh = x.device_mesh
+    chan = [Shard(0) if isinstance(p, Shard) else Replicate() for p in x.placements]
+    c = x.shape[1]
+    with op_context(op):
+        xl = [to_local(a, x.placements) for a in acts]
+        rl = [_bn_per_channel(x, t, chan) for t in rest]
+        for k in buffers:
+            if rl[k] is not None:
+                rl[k] = rl[k].clone()
+        if xl[0].numel() == 0:  # no channel on this rank: the kernel refuses an empty input
+            mask = rest[-1] if len(acts) == 2 else [True] * 3
+            outs = [torch.zeros_like(xl[-1])] + [xl[-1].new_empty(0) for _ in range(len(op._schema.returns) - 1)]
+            outs = [o if keep else None for o, keep in zip(outs, mask)]
+        else:
+            outs = op(*xl, *rl)
+        bufs = [k for k in buffers if isinstance(rest[k], DTensor)]
+        if bufs:  # every rank's channels of the running statistics: one all_gather for all of them
+            pieces = _wrap(torch.stack([rl[k] for k in bufs]), mesh, [Shard(1) if isinstance(p, Shard) else p for p in chan],
+                           (len(bufs), c))
+            whole = _rep(pieces)
+            for i, k in enumerate(bufs):
+                aten.copy_.default(rest[k], _to(aten.select.int(whole, 0, i), rest[k].placements))
+    res = []
+    for o in outs:
+        if o is None:
+            res.append(None)
+        elif o.dim() == x.ndim:
+            res.append(_wrap(o, mesh, x.placements, x.shape))
+        elif o.dim() == 1 and stats_per_channel:
+            res.append(_wrap(o, mesh, chan, (c,)))
+        else:
+            res.append(_wrap(o, mesh, [Replicate()] * mesh.ndim, tuple(o.shape)))
     return tuple(res)
 
 
@@ -422,35 +561,22 @@ def _bn_halo(x) -> bool:
 
 
 def _bn_sums(x):
+    """Placements of per-channel local sums of ``x`` (or of a spec): Partial over the mesh dims
+    that shard it (off the channel dim, as batch norm's layouts are)."""
     return [Partial("sum") if isinstance(p, Shard) else Replicate() for p in x.placements]
 
 
-def _bn_halo_forward(x, weight, bias, running_mean, running_var, momentum, eps):
+def _bn_halo_forward(op, x, weight, bias, running_mean, running_var, momentum, eps):
     """:func:`_bn_train_forward` on a halo layout, on local tensors: (out with x's halo, mean,
-    invstd); the sums of the owned rows are reduced once each."""
+    invstd); the statistics of the owned rows are merged in one collective."""
     mesh = x.device_mesh
     coord = C.mesh_coordinate(mesh)
     rep = [Replicate()] * mesh.ndim
     c = x.shape[1]
-    n = x.numel() // c
     xl = x._local_tensor
-    dims = _bn_dims(xl)
-    shape = [1, c] + [1] * (xl.dim() - 2)
-    xo = _gn_acc(_owned(xl, x._spec, coord))
-    acc = xo.dtype
-    mean = _gn_reduce(xo.sum(dims), mesh, _bn_sums(x), rep, (c,), acc) / n
-    var = _gn_reduce(((xo - mean.view(shape)) ** 2).sum(dims), mesh, _bn_sums(x), rep, (c,), acc) / n
-    invstd = torch.rsqrt(var + eps)
-    y = (_gn_acc(xl) - mean.view(shape)) * invstd.view(shape)
-    if weight is not None:
-        y = y * _gn_acc(_local(_rep(weight))).view(shape)
-    if bias is not None:
-        y = y + _gn_acc(_local(_rep(bias))).view(shape)
-    for buf, new in ((running_mean, mean), (running_var, var * (n / (n - 1) if n > 1 else float("inf")))):
-        if buf is not None:
-            upd = _local(_rep(buf)) * (1 - momentum) + new.to(buf.dtype) * momentum
-            aten.copy_.default(buf, _to(_wrap(upd, mesh, rep, (c,)), buf.placements))
-
+    with op_context(op):
+        y, mean, invstd = _bn_stats_normalise(x, x._spec, _owned(xl, x._spec, coord), xl, weight, bias,
+                                              running_mean, running_var, momentum, eps)
     out = _with_halo_of(y.to(x.dtype), make_spec(mesh, x.placements, x.shape, x.dtype), x)
     return out, _wrap(mean.to(x.dtype), mesh, rep, (c,)), _wrap(invstd.to(x.dtype), mesh, rep, (c,))
 
@@ -487,6 +613,34 @@ def _bn_halo_backward(g, x, w, smean, sinv, mask):
     return gi, gw, gb
 
 
+def _bn_train_backward(g, x, w, smean, sinv, mask, target):
+    """Backward of :func:`_bn_train_forward` on local shards (``g`` and ``x`` laid out as
+    ``target``): the per-channel sums of g and g * xhat in ONE all_reduce (stacked), the input
+    gradient local, the weight and bias gradients Partial sums."""
+    mesh = x.device_mesh
+    rep = [Replicate()] * mesh.ndim
+    c = x.shape[1]
+    n = x.numel() // c
+    xl, gl = _gn_acc(to_local(x, target)), _gn_acc(to_local(g, target))
+    dims = _bn_dims(xl)
+    shape = [1, c] + [1] * (xl.dim() - 2)
+    inv = _gn_acc(_local(_rep(sinv))).view(shape)
+    xhat = (xl - _gn_acc(_local(_rep(smean))).view(shape)) * inv
+    local_g, local_gx = gl.sum(dims), (gl * xhat).sum(dims)
+    psum = _bn_sums(make_spec(mesh, target, x.shape, x.dtype))
+    gi = gw = gb = None
+    if mask[0]:
+        s = _gn_reduce(torch.stack([local_g, local_gx]), mesh, psum, rep, (2, c), local_g.dtype) / n
+        scale = inv if w is None else inv * _gn_acc(_local(_rep(w))).view(shape)
+        gi = (gl - s[0].view(shape) - xhat * s[1].view(shape)) * scale
+        gi = wrap(gi.to(g.dtype), make_spec(mesh, target, x.shape, g.dtype))
+    if mask[1]:
+        gw = _wrap(local_gx.to(g.dtype), mesh, psum, (c,))
+    if mask[2]:
+        gb = _wrap(local_g.to(g.dtype), mesh, psum, (c,))
+    return gi, gw, gb
+
+
 def _bn_fresh(t) -> None:
     if isinstance(t, DTensor):
         SL.fresh(t)
@@ -508,10 +662,12 @@ def batch_norm_handler(op, args, kwargs):
         x, w, b, rm, rv, training, momentum, eps = (list(args) + [kwargs.get(k) for k in names][len(args):])[:8]
         _bn_fresh(x)
         if training and _bn_halo(x):
-            return _bn_halo_forward(x, w, b, rm, rv, momentum, eps)
+            return _bn_halo_forward(op, x, w, b, rm, rv, momentum, eps)
         x = _bn_strip(x)
+        if _bn_channel_shards(x):  # channels sharded only: local to each rank's channels
+            return _bn_channels(op, x, [x], [w, b, rm, rv, training, momentum, eps], (2, 3) if training else (), training)
         if training and _bn_sharded(x):
-            return _bn_train_forward(x, w, b, rm, rv, momentum, eps)
+            return _bn_train_forward(op, x, w, b, rm, rv, momentum, eps)
         if training:
             # whole batch on every rank: the local kernel updates the replicated running stats
             rml = _local(_rep(rm)).clone() if rm is not None else None
@@ -532,10 +688,12 @@ def batch_norm_no_stats_handler(op, args, kwargs):
             "input", "weight", "bias", "training", "momentum", "eps")][len(args):])[:6]
         _bn_fresh(x)
         if _bn_halo(x):
-            return _bn_halo_forward(x, w, b, None, None, momentum, eps)
+            return _bn_halo_forward(op, x, w, b, None, None, momentum, eps)
         x = _bn_strip(x)
+        if _bn_channel_shards(x):
+            return _bn_channels(op, x, [x], [w, b, training, momentum, eps])
         if _bn_sharded(x):
-            return _bn_train_forward(x, w, b, None, None, momentum, eps)
+            return _bn_train_forward(op, x, w, b, None, None, momentum, eps)
         return _bn_local(op, x, [w, b, training, momentum, eps], True)
 
 
@@ -551,8 +709,11 @@ def batch_norm_backward_handler(op, args, kwargs):
         if (train and isinstance(g, DTensor) and halos(g._spec) and _bn_halo(x) and tuple(g.placements) == tuple(x.placements)
                 and all(SL.halo_widths(x._spec, h.dim)[0] >= h.lo and SL.halo_widths(x._spec, h.dim)[1] >= h.hi
                         for h in halos(g._spec))):
-            return _bn_halo_backward(g, x, w, smean, sinv, mask)
+            with op_context(op):
+                return _bn_halo_backward(g, x, w, smean, sinv, mask)
         g, x = _bn_strip(g), _bn_strip(x)
+        if _bn_channel_shards(x):
+            return _bn_channels(op, x, [g, x], [w, rm, rv, smean, sinv, train, eps, mask])
         mesh = x.device_mesh
         target = _keep_shards(x, set(range(x.ndim)) - {1})
         x, g = _to(x, target), _to(g, target)
@@ -565,23 +726,8 @@ def batch_norm_backward_handler(op, args, kwargs):
             return (None if gi is None else _wrap(gi, mesh, target, x.shape),
                     None if gw is None else _wrap(gw, mesh, psum, (c,)),
                     None if gb is None else _wrap(gb, mesh, psum, (c,)))
-        dims = _bn_dims(x)
-        n = x.numel() // c
-        mean_b, inv_b = _bn_shape(x, _rep(smean)), _bn_shape(x, _rep(sinv))
-        xhat = aten.mul.Tensor(aten.sub.Tensor(x, mean_b), inv_b)
-        sum_g = aten.sum.dim_IntList(g, dims)
-        sum_gx = aten.sum.dim_IntList(aten.mul.Tensor(g, xhat), dims)
-        gi = gw = gb = None
-        if mask[0]:
-            scale = inv_b if w is None else aten.mul.Tensor(inv_b, _bn_shape(x, _rep(w)))
-            t = aten.sub.Tensor(g, _bn_shape(x, aten.div.Scalar(_rep(sum_g), n)))
-            t = aten.sub.Tensor(t, aten.mul.Tensor(xhat, _bn_shape(x, aten.div.Scalar(_rep(sum_gx), n))))
-            gi = aten.mul.Tensor(t, scale)
-        if mask[1]:
-            gw = sum_gx
-        if mask[2]:
-            gb = sum_g
-        return gi, gw, gb
+        with op_context(op):
+            return _bn_train_backward(g, x, w, smean, sinv, mask, target)
 
 
 @register_handler(aten._batch_norm_with_update.default, keeps_layout_data=True)
