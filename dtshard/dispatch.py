@@ -295,7 +295,10 @@ def _unwrap(op, a, dts: list, key: list, DT) -> Any:
     """Replace DTensors by _Slot markers (for propagation) while building the cache key."""
     if isinstance(a, DT):
         s = a._spec
-        key.append(s._token or s.token())
+        try:
+            key.append(s._token or s.token())
+        except TypeError:  # symbolic sizes while tracing: the key cannot hash, the call plans uncached
+            key.append(s)
         dts.append(a)
         return _Slot(len(dts) - 1)
     if isinstance(a, torch.Tensor):

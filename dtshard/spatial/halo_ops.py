@@ -149,9 +149,15 @@ def _plain_plan(op, args, kwargs, dts, margs, mkwargs, key):
     """The plan of the call without its halos: the dispatcher's own, shared with its cache (under
     the key of the same call on the plain specs: each spec's token swapped for its plain spec's;
     a key that kept a halo spec's token would hand the plain plan to the halo tensors)."""
-    plain = {d._spec.token(): d._spec.plain.token() for d in dts}
+    def plan():
+        return propagate(op, args, kwargs, [d._spec.plain for d in dts], margs, mkwargs)
+
+    try:
+        plain = {d._spec.token(): d._spec.plain.token() for d in dts}
+    except TypeError:  # symbolic sizes while tracing: plan uncached
+        return plan()
     pkey = tuple(plain.get(k, k) if type(k) is SpecToken else k for k in key)
-    return D.cached_plan(pkey, lambda: propagate(op, args, kwargs, [d._spec.plain for d in dts], margs, mkwargs))
+    return D.cached_plan(pkey, plan)
 
 
 def _decide(op, args, kwargs, dts, margs, mkwargs, key):
