@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Peak EXTRA host memory of dtshard's redistribute and spatially sharded conv2d, per rank, on
 gloo CPU ranks, next to ``torch.distributed.tensor`` and the bare collectives.  One command, from
-the repository root (no install needed: this checkout's ``dtshard/`` and ``kernels/`` are used):
+the repository root (no install needed: this checkout's ``dtshard/`` and ``dtshard_kernels/`` are used):
 
     python benchmarks/bench_memory.py                       # 16 and 64 MiB tensors, 2 ranks (~2-3 min)
     python benchmarks/bench_memory.py --sizes 16 --conv-shapes 2,16,256,256

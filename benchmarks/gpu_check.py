@@ -45,8 +45,8 @@ the budget, 2 none failed but a performance target was missed.
     bash benchmarks/gpu_check.sh --only 2-bw,2-bench   # sections whose name starts with these
     bash benchmarks/gpu_check.sh --budget 300 --with-cpu --json /tmp/gpu_check.json
 
-This checkout's ``dtshard`` and ``kernels/`` (as ``dtshard_kernels``, through a symlink in a
-temporary directory put first on ``PYTHONPATH``) are used, installed or not.
+This checkout's ``dtshard`` and ``dtshard_kernels`` (its root first on ``PYTHONPATH``) are used,
+installed or not.
 """
 
 from __future__ import annotations
@@ -720,14 +720,6 @@ def _run_section_here(name: str, deadline: float, result_path: str) -> int:
     os._exit(0)  # skip interpreter teardown (process groups, worker pools): the rows are written
 
 
-def _kernels_shim(tmp: str) -> str:
-    """A directory holding ``dtshard_kernels`` -> this checkout's ``kernels/`` (the installed name)."""
-    shim = os.path.join(tmp, "shim")
-    os.makedirs(shim, exist_ok=True)
-    os.symlink(os.path.join(ROOT, "kernels"), os.path.join(shim, "dtshard_kernels"))
-    return shim
-
-
 def _print_table(rows: list[dict]) -> None:
     def met(v):
         return "-" if v is None else ("yes" if v else "NO")
@@ -786,9 +778,8 @@ def main(argv=None) -> int:
           f"budget {args.budget:.0f} s")
 
     tmp = tempfile.mkdtemp(prefix="gpu_check_")
-    shim = _kernels_shim(tmp)
     base_env = dict(os.environ)
-    base_env["PYTHONPATH"] = os.pathsep.join([shim, ROOT, HERE] + [v for v in [os.environ.get("PYTHONPATH")] if v])
+    base_env["PYTHONPATH"] = os.pathsep.join([ROOT, HERE] + [v for v in [os.environ.get("PYTHONPATH")] if v])
     base_env.pop("DTSHARD_KERNELS", None)  # section 4 sets it; the others use the default (auto)
     base_env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     base_env.setdefault("NCCL_SOCKET_IFNAME", "lo")

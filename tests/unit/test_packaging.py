@@ -19,7 +19,7 @@ import dtshard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # source folder -> the import name it installs as
-SOURCE_TREES = {"dtshard": "dtshard", "kernels": "dtshard_kernels"}
+SOURCE_TREES = {"dtshard": "dtshard", "dtshard_kernels": "dtshard_kernels"}
 
 
 def _source_modules() -> set[str]:

@@ -173,7 +173,7 @@ def test_public_api_is_drop_in():
 def test_kernels_import_is_ours_and_collision_free():
     import dtshard_kernels
 
-    assert dtshard_kernels.__file__.replace("\\", "/").endswith("kernels/__init__.py")
+    assert dtshard_kernels.__file__.replace("\\", "/").endswith("dtshard_kernels/__init__.py")
     import os
 
     assert os.path.exists(os.path.join(os.path.dirname(dtshard_kernels.__file__), "reference.py"))

@@ -1,4 +1,4 @@
-"""dtshard_kernels: one-pass packing copies around collectives (installed from ``kernels/``).
+"""dtshard_kernels: one-pass packing copies around collectives.
 
 Public functions (all return NEW contiguous tensors, never views of an input; ``sizes`` are lists
 of ints; negative dims are normalised; bad arguments raise ``ValueError`` naming the function,
