@@ -252,7 +252,8 @@ def _all_replicate(strategy) -> bool:
 
 
 #: ops whose rule may return strided shards: views, for which the planner checks EXACTLY, rank by
-#: rank, that the input's elements are the output's (_view_regions_match)
+#: rank, that the input's elements are the output's (_view_regions_match), whenever the input is
+#: sharded (the view rule offers shard pairings that line up only for some shapes and meshes)
 _EXACT_VIEWS = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
                           torch.ops.aten.view_copy.default})
 
@@ -420,8 +421,7 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
         in_specs = [s.with_placements(t) for s, t in zip(specs, ins)]
         ok = _check_local(op, meta_args, meta_kwargs, in_specs, out_specs, mesh_shape, shape_args, shapes_fn,
                           local_op)
-        if ok and op in _EXACT_VIEWS and (any(s.has_strided for s in in_specs) or any(
-                o is not None and o.has_strided for o in out_specs)):
+        if ok and op in _EXACT_VIEWS and _any_shard(in_specs[0]):
             ok = _view_regions_match(in_specs[0], out_specs[0], mesh_shape)
         considered.append((cost, (ins, outs), ok))  # formatted only when explain() shows it
         if ok:
@@ -523,8 +523,7 @@ def planner_accepts(op, meta_args, meta_kwargs, in_specs, out_specs) -> bool:
     local_op = functools.partial(entry.local, op) if entry is not None and entry.local is not None else op
     mesh_shape = in_specs[0].mesh_shape
     ok = _check_local(op, meta_args, meta_kwargs, in_specs, out_specs, mesh_shape, shape_args, shapes_fn, local_op)
-    if ok and op in _EXACT_VIEWS and (any(s.has_strided for s in in_specs) or any(
-            o is not None and o.has_strided for o in out_specs)):
+    if ok and op in _EXACT_VIEWS and _any_shard(in_specs[0]):
         ok = _view_regions_match(in_specs[0], out_specs[0], mesh_shape)
     return ok
 
@@ -806,6 +805,10 @@ def _flat_runs(shape, region):
             elif b > a:
                 runs.append((a, b))
     return runs
+
+
+def _any_shard(spec: DTensorSpec) -> bool:
+    return any(is_shard(p) for p in spec.placements)
 
 
 def _view_regions_match(in_spec: DTensorSpec, out_spec: DTensorSpec, mesh_shape) -> bool:

@@ -94,7 +94,8 @@ def view_rule(call: OpCall):
             # over the mesh (one rank holds it, the others nothing) stays the same layout as a
             # size-1 dim of the view, so the view keeps aliasing, as in PyTorch
             strategies.append(((Shard(outs[0]),), (Shard(ins[0]),)))
-        strategies.extend(_strided_view_strategies(x.shape, out_shape, ins, outs, first_in, strided_in))
+        strategies.extend(st for st in _strided_view_strategies(x.shape, out_shape, ins, outs, first_in, strided_in)
+                          if st not in strategies)
     return strategies
 
 
@@ -116,6 +117,9 @@ def _strided_view_strategies(in_shape, out_shape, ins, outs, first_in, strided_i
     sfs_of = {}
     for d, sf in strided_in:
         sfs_of.setdefault(d, set()).add(sf)
+    group = 1
+    for i in ins:
+        group *= in_shape[i]
     for i in ins:
         if in_shape[i] == 1:
             continue
@@ -125,17 +129,30 @@ def _strided_view_strategies(in_shape, out_shape, ins, outs, first_in, strided_i
                 break
             prefix *= in_shape[k]
         for sf_in in {1} | sfs_of.get(i, set()):
-            if sf_in == 1 and i == first_in:
-                continue  # the plain strategy above
-            e = prefix * sf_in
-            p_j = 1
-            for j in outs:
-                b = out_shape[j]
-                if b != 1 and p_j <= e < p_j * b and e % p_j == 0 and b % (e // p_j) == 0:
-                    out.append(((_placement(j, e // p_j),), (_placement(i, sf_in),)))
-                    break
-                p_j *= b
+            # E outer blocks; when another mesh dim also shards the group (the batch of a flattened
+            # (batch, sequence) on a (dp, cp) mesh), this mesh dim's shards are cut from that
+            # dim's chunks, which hold fewer or more of the blocks than E, by the other dim's
+            # number of shards: a rule cannot see it, so the divisors and multiples of E are
+            # offered too (the planner's region check keeps only what lines up exactly)
+            for e in _block_counts(prefix * sf_in, group):
+                p_j = 1
+                for j in outs:
+                    b = out_shape[j]
+                    if b != 1 and p_j <= e < p_j * b and e % p_j == 0 and b % (e // p_j) == 0:
+                        strategy = ((_placement(j, e // p_j),), (_placement(i, sf_in),))
+                        if strategy not in out:
+                            out.append(strategy)
+                        break
+                    p_j *= b
     return out
+
+
+def _block_counts(e: int, group: int, most: int = 8) -> list[int]:
+    """``e`` first, then up to ``most`` of its divisors (from the largest down) and of its
+    multiples that divide ``group`` (the group's element count; from the smallest up)."""
+    down = [d for d in range(e - 1, 0, -1) if e % d == 0][:most]
+    up = [e * m for m in range(2, group // e + 1) if (group // e) % m == 0][:most]
+    return [e] + down + up
 
 
 @register_rule([aten.expand.default, aten.expand_copy.default], shape_args={1: 0})
