@@ -58,14 +58,15 @@ def _guarded(handler, keeps_strided: bool, keeps_layout_data: bool, tensor_lists
     on a rank outside the arguments' mesh the op is a no-op (:func:`_non_member`); DTensors that
     hold strided shards reach it as plain ``Shard`` layouts (:func:`_plain_layouts`) unless it
     ``keeps_strided``; DTensors whose layout carries extension data (``spec.extra``) reach it
-    without (the data's layout extension strips it), unless it ``keeps_layout_data``.
-    Everything else calls it straight away.  List arguments are searched for DTensors only when
+    without (the data's layout extension strips it), unless it ``keeps_layout_data``; inside
+    ``implicit_replication()`` plain tensor arguments reach it as Replicate DTensors, as they join
+    the rules' path.  Everything else calls it straight away.  List arguments are searched for DTensors only when
     the op has a tensor-list argument (``tensor_lists``)."""
     plain = handler if keeps_strided else _plain_layouts(handler)
 
     def guarded(op, args, kwargs):
         DT = _DT
-        first, strided, extra = True, False, None
+        first, strided, extra, plain_seen = True, False, None, False
         for a in itertools.chain(args, kwargs.values()) if kwargs else args:
             if isinstance(a, DT):
                 s = a._spec
@@ -77,6 +78,8 @@ def _guarded(handler, keeps_strided: bool, keeps_layout_data: bool, tensor_lists
                     extra = s.extra
                 elif s.has_strided:
                     strided = True
+            elif isinstance(a, torch.Tensor):
+                plain_seen = True
             elif tensor_lists and (type(a) is list or type(a) is tuple):
                 for x in a:
                     if isinstance(x, DT):
@@ -87,6 +90,9 @@ def _guarded(handler, keeps_strided: bool, keeps_layout_data: bool, tensor_lists
                         if x._spec.extra is not None:
                             extra = x._spec.extra
                         strided = strided or x._spec.has_strided
+        if plain_seen and not first and implicit_replication_on():
+            # the caller vouches that plain tensors hold the global value: Replicate, as on the rules' path
+            args, kwargs = _promote_plain_args(op, args, kwargs, True)
         if extra is not None and not keeps_layout_data:
             return hooks.extension_of(extra).strip(op, args, kwargs, plain)
         if strided and not keeps_strided:

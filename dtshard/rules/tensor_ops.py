@@ -180,6 +180,11 @@ def cat_rule(call: OpCall):
     for d in range(ref.ndim):
         if d != dim:
             strategies.append(((Shard(d),), tuple(R if _is_legacy_empty(t) else Shard(d) for t in ts)))
+    # every input but one empty along the cat dim (a KV cache's first update: cat(empty, k)): the
+    # result is that input, so its shards on the cat dim are the result's
+    full = [i for i, t in enumerate(ts) if not _is_legacy_empty(t) and t.shape[dim] > 0]
+    if len(full) == 1 and ref.ndim:
+        strategies.append(((Shard(dim),), tuple(Shard(dim) if i == full[0] else R for i in range(len(ts)))))
     # joining pieces is elementwise: terms of any one reduction stay terms of it
     strategies += [((p,), (p,) * len(ts)) for p in _PARTIALS]
     return strategies
