@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor.placement_types import Replicate, Shard
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from dtshard import _trace
 from dtshard import collectives as C
@@ -174,6 +174,8 @@ class ParamGroup:
         self._partial_out: Optional[list] = None  # [reduced flat shard, got flags]
         self.gradient_divide_factor: Optional[float] = None  # None: the data-parallel size
         self.force_sum_reduction = False  # divide outside the collectives (see _divide_plan)
+        #: the gradients came as DTensors of one global loss (see _global_loss_grads): summed, not averaged
+        self.global_loss = False
         self.all_reduce_hook = None  # (hook, stream): called on the reduced flat gradient shard
         self.reduce_unused = False  # set a (zero-based) .grad for parameters no rank's backward reached
         self.unshard_in_backward = True
@@ -495,7 +497,7 @@ class ParamGroup:
         the average, unless ``set_force_sum_reduction_for_comms``; other dtypes (float16,
         float64) divide by a power of two about sqrt(factor) before and the rest after, so the
         sum can neither overflow nor underflow.  dtshard's collectives always sum."""
-        factor = float(self.gradient_divide_factor or self.dp_size)
+        factor = float(self.gradient_divide_factor or (1 if self.global_loss else self.dp_size))
         if self.reduce_dtype in (torch.float32, torch.bfloat16):
             if self.force_sum_reduction:
                 return None, None, factor
@@ -518,6 +520,8 @@ class ParamGroup:
         got = [g is not None for g in grads]
         if not any(got):
             return None
+        if any(type(g) is DTensor for g in grads):
+            grads = self._global_loss_grads(grads)
         with torch.no_grad():
             if self._acc is not None:
                 buf = self._acc
@@ -553,6 +557,54 @@ class ParamGroup:
                 work = C.reduce_scatter_into(out, buf, "sum", mesh, dim, async_op=True, consume_input=True,
                                              comm=self.reduce_scatter_comm)
         return [work, out, buf, got]
+
+    def _global_loss_grads(self, grads) -> list:
+        """Gradients that arrive as DTensors at the plain full parameters: the module computed on
+        DTensor activations (a sequence-sharded model, ``implicit_replication()`` promoting the
+        full parameters to ``Replicate``), so each gradient is the gradient of ONE global loss,
+        already summed over the whole batch, not one rank's share of a mean.  Each becomes this
+        rank's additive term (``Partial`` over the mesh dims whose ranks are FSDP's, ``Replicate``
+        over the others, which FSDP does not reduce over), the terms of all FSDP ranks summing to
+        the gradient; the group then sums without dividing (``gradient_divide_factor`` still
+        applies when set).  The layouts come from metadata every rank shares."""
+        if any(g is not None and type(g) is not DTensor for g in grads):
+            raise RuntimeError(
+                f"fully_shard({type(self.module).__name__}): some of the group's parameters got DTensor gradients "
+                "(computed with DTensor activations) and others plain ones; FSDP cannot tell whether to average "
+                "the plain ones over the data-parallel ranks. Feed the module DTensor inputs throughout (e.g. "
+                "distribute_tensor(input_ids, mesh, [Shard(0), Shard(1)])), or plain tensors throughout.")
+        fsdp_ranks = set(self.mesh.mesh.flatten().tolist())
+        out = []
+        for g in grads:
+            if g is None:
+                out.append(None)
+                continue
+            mesh = g._spec.mesh
+            coord = list(C.mesh_coordinate(mesh))
+            ranks = mesh.mesh
+            target, span = [], {tuple(coord)}
+            for d in range(mesh.ndim):
+                idx = [slice(None) if k == d else c for k, c in enumerate(coord)]
+                along = set(ranks[tuple(idx)].flatten().tolist())
+                if along <= fsdp_ranks:
+                    target.append(Partial("sum"))
+                    span = {tuple(c[:d]) + (r,) + tuple(c[d + 1:]) for c in span for r in range(mesh.size(d))}
+                elif len(along & fsdp_ranks) == 1:
+                    target.append(Replicate())
+                else:
+                    span = None
+                    break
+            if span is None or {ranks[c].item() for c in span} != fsdp_ranks:
+                raise RuntimeError(
+                    f"fully_shard({type(self.module).__name__}): a parameter's gradient is a DTensor on mesh "
+                    f"{tuple(mesh.shape)} {mesh.mesh_dim_names} with placements {g._spec.placements}, whose ranks do not "
+                    f"line up with FSDP's mesh {tuple(self.mesh.shape)} {self.mesh.mesh_dim_names}: FSDP must reduce over "
+                    "whole mesh dims of the activations' mesh (e.g. fully_shard(mesh=mesh['dp', 'cp']._flatten()) "
+                    "for activations on mesh['dp', 'cp']).")
+            with torch.no_grad():
+                out.append(g.redistribute(mesh, target)._local_tensor)
+        self.global_loss = True
+        return out
 
     def _keep_partial(self, out: torch.Tensor, got: list) -> None:
         """``set_requires_all_reduce(False)``: keep this reduction's output (summed over the
