@@ -1,0 +1,121 @@
+"""A Hugging Face ``LlamaForCausalLM`` trained on a sequence-sharded batch (context parallelism as
+placements), against the same model in one process: 3 AdamW steps, the loss of every step and
+every weight after every step, on every rank.
+
+The model code is ``transformers``' own, unchanged (``attn_implementation="sdpa"``); the only
+dtshard-specific lines are how the batch is laid out and one context manager:
+
+- ``input_ids`` and ``labels`` are ``distribute_tensor(ids, mesh, [Shard(1)])`` (CP), or
+  ``[Shard(0), Shard(1)]`` on a ``("dp", "cp")`` mesh (CP x FSDP);
+- the forward runs inside ``dtshard.experimental.implicit_replication()`` (PyTorch's own hook,
+  ``torch.distributed.tensor.experimental.implicit_replication``, works too): the model builds
+  position ids, rotary tables and masks as plain tensors from the GLOBAL sequence length (a
+  DTensor reports its global shape), so every rank holds the same full tensor and it joins the
+  DTensor ops as ``Replicate``; FSDP's gathered (plain) parameters join the same way.
+
+The attention is dtshard's context-parallel SDPA (``dtshard/rules/attention_cp.py``, strategy by
+cost); the loss (``transformers``' ``ForCausalLMLoss``: shift, cross entropy, mean over the
+tokens) is the global token mean as a DTensor.  Under FSDP the parameters' gradients arrive as
+DTensors of that one global loss, so FSDP sums them over its ranks instead of averaging
+(``ParamGroup._global_loss_grads``).
+
+Tolerances: the model runs in float64, but ``ForCausalLMLoss`` upcasts the logits to float32, so
+the loss and the gradient flowing back from it carry float32 rounding, which depends on the
+order of the sums: the loss within 1e-6 relative, each weight within 1e-5 of its largest
+magnitude after AdamW (as in test_llama.py).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import dtshard
+from dtshard import Shard
+from dtshard.testing import run_distributed
+
+STEPS = 3
+LR = 2e-3
+
+
+def _config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                       attn_implementation="sdpa")
+
+
+def _train(kind: str, seq: int, strategy: str = "auto"):
+    from transformers import LlamaForCausalLM
+
+    from dtshard.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    ref = LlamaForCausalLM(_config()).double()
+    model = copy.deepcopy(ref)
+    if kind == "cp":
+        mesh = dtshard.init_device_mesh("cpu", (torch.distributed.get_world_size(),), mesh_dim_names=("cp",))
+        batch_layout = [Shard(1)]
+        dtshard.distribute_module(model, mesh)  # the parameters replicated over the sequence ranks
+    else:  # "cp_fsdp": FSDP over the flattened (dp, cp) group, as torchtitan shards over dp_shard_cp
+        mesh = dtshard.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+        batch_layout = [Shard(0), Shard(1)]
+        fsdp_mesh = mesh["dp", "cp"]._flatten("dp_cp")
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=fsdp_mesh)
+        fully_shard(model, mesh=fsdp_mesh)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=LR, foreach=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
+    ref_params = dict(ref.named_parameters())
+    g = torch.Generator().manual_seed(1)
+    old = dtshard.config.attention_cp
+    dtshard.config.attention_cp = strategy
+    rows = []
+    try:
+        for _ in range(STEPS):
+            ids = torch.randint(0, 64, (2, seq), generator=g)
+            loss_ref = ref(input_ids=ids, labels=ids).loss
+            loss_ref.backward()
+            opt_ref.step()
+            opt_ref.zero_grad()
+            dids = dtshard.distribute_tensor(ids, mesh, batch_layout)
+            with dtshard.experimental.implicit_replication():
+                out = model(input_ids=dids, labels=dids)
+            assert isinstance(out.logits, dtshard.DTensor) and isinstance(out.loss, dtshard.DTensor)
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad()
+            dev = 0.0
+            for n, p in model.named_parameters():
+                assert isinstance(p, dtshard.DTensor), f"{n} is not a DTensor"
+                want = ref_params[n].detach()
+                dev = max(dev, ((p.full_tensor() - want).abs().max() / want.abs().max()).item())
+            rows.append((loss_ref.item(), out.loss.full_tensor().item(), dev,
+                         tuple(out.logits.placements), tuple(out.logits.shape)))
+    finally:
+        dtshard.config.attention_cp = old
+    return rows
+
+
+@pytest.mark.parametrize("kind,world,seq,strategy", [
+    pytest.param("cp", 2, 13, "auto", id="cp2-uneven"),
+    pytest.param("cp", 2, 12, "ring", id="cp2-ring"),
+    pytest.param("cp", 4, 12, "auto", id="cp4"),
+    pytest.param("cp_fsdp", 4, 12, "auto", id="cp2xfsdp2"),
+])
+def test_hf_llama_trains_on_a_sequence_sharded_batch(kind, world, seq, strategy):
+    results = run_distributed(_train, world, kind, seq, strategy, timeout=300)
+    for rank, rows in enumerate(results):
+        assert rows == results[0], f"rank {rank} saw other values than rank 0"
+    rows = results[0]
+    for step, (want, got, dev, placements, shape) in enumerate(rows, 1):
+        assert abs(got - want) <= 1e-6 * abs(want), f"step {step}: loss {got} vs one process's {want}"
+        assert dev <= 1e-5, f"step {step}: a weight deviates by {dev:.2e} of its scale from one process's"
+        assert shape == (2, seq, 64)
+        if seq % world == 0:  # the sequence stays sharded through the model (uneven: the planner may
+            # move a flattened (batch, sequence) dim to the batch, which is exact too)
+            assert placements == ((Shard(1),) if kind == "cp" else (Shard(0), Shard(1))), placements
+    assert rows[-1][0] < rows[0][0], "the model did not train"
