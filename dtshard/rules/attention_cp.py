@@ -28,10 +28,42 @@ query's layout (``out`` and ``logsumexp`` sequence-sharded), whatever strategy r
   ``Hkv/n`` key/value heads, and the results move back.  Needs ``H`` and ``Hkv`` divisible by the
   mesh dim's size ``n`` (then query head chunk ``i`` maps onto key/value head chunk ``i``).
   Received per rank, forward: ``(n-1)/n^2`` of q, k, v and the output.
+- **mask_kv** (with a mask whose values can be read): ONE all_to_all brings each rank exactly the
+  K/V rows (their own heads) its query rows leave unmasked somewhere, from their owners; the rank
+  attends its rows to them in one kernel call (the mask's columns of those keys, in global key
+  order).  Backward: the same exchange, then dK/dV of the received rows go back to their owners
+  with the reverse all_to_all and are summed in (index_add).  A sliding window of ``w`` keys is a
+  halo (about ``w`` rows from the predecessors); a document mask brings only the documents that
+  overlap the rank's rows.  Received per rank, forward: the rows the table says, the most over
+  the ranks as the cost.
 
-The cost (``_bytes``) is the bytes a rank receives in the forward, from global shapes only (the
-same on every rank, so every rank takes the same strategy); ``config.attention_cp`` forces one.
-Not here yet (issue #30): masks that shape the exchange (sliding windows as halos), FlexAttention,
+**Masks.**  Every strategy takes an attention mask that every rank holds whole and identical: a
+plain tensor or a DTensor replicated on every mesh dim (its local tensor), additive in q's dtype
+(``F.scaled_dot_product_attention`` turns a boolean mask into one before the kernel, a new tensor
+every call), 2-D ``(L, S)`` or 4-D broadcasting to ``(B, H, L, S)``.  Each kernel call gets the
+mask's slice for its rows and keys (and batch, or Ulysses' head chunk, where those are split).
+A row with no key in a block (every entry ``-inf``) gets log-sum-exp ``-inf`` there, so the merge
+gives the block weight 0; a row masked everywhere ends with output 0 and log-sum-exp 0, what the
+kernel gives in one process.  A sharded or partial mask, one that needs a gradient, or a mask
+with ``is_causal`` goes to the rule; when no strategy applies, a plain mask goes to the rule as a
+Replicate DTensor.  mask_kv's table (which keys each rank's rows need: an entry ``!= -inf``, so an
+HF-style ``finfo.min`` mask needs every key) is read from the whole mask ONCE per mask (cached by
+the tensor's identity, version counter and layout, 8 entries; ``mask_table_stats`` counts the
+reads): pass an additive mask of q's dtype to have it read once across calls, a boolean one is
+read on every forward (its backward reuses it).  While tracing (torch.compile: fake or functional
+tensors, or any dispatch mode) the values cannot be read, mask_kv does not apply, and the others
+run with the mask sliced.
+
+**Agreement.**  Every collective's sizes follow from data every rank shares: global shapes, and
+for mask_kv the table, which every rank computes from its copy of the same mask, so the
+all_to_all splits agree without a message.  A mask that differs between ranks is a user error
+these plans cannot see (the result would be wrong, or the exchange sizes would disagree);
+``config.attention_cp_check_masks = True`` checks it on every call (a digest of the mask's bytes
+over the mesh).
+
+The cost (``_bytes``) is the bytes a rank receives in the forward, from global shapes and the
+mask's table only (the same on every rank, so every rank takes the same strategy);
+``config.attention_cp`` forces one where it applies.  Not here yet (issue #30): FlexAttention,
 strided (load-balanced) causal layouts, which go to the rule, and Ulysses x ring on two mesh dims.
 """
 

@@ -349,3 +349,44 @@ def test_compiled_fullgraph_with_masks():
     for errs, misses in run_distributed(_compiled_masked, 2):
         assert max(errs) < 1e-9, errs
         assert misses == 0
+
+
+def _mask_reads_and_agreement():
+    """mask_kv reads an additive mask once across calls (a boolean one once per forward: F.sdpa
+    makes a new additive mask each call), again after an in-place write; the debug check
+    (config.attention_cp_check_masks) raises on masks that differ between ranks."""
+    m = mesh((2,))
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 2, 10, 8, dtype=torch.float64, generator=g) for _ in range(3))
+    dts = [dtshard.distribute_tensor(t, m, [Shard(2)]).requires_grad_() for t in (q, k, v)]
+    window = _window(10, 3)
+    old = dtshard.config.attention_cp
+    dtshard.config.attention_cp = "mask_kv"
+    reads = []
+    try:
+        for mask in (window, window == 0):
+            before = attention_cp.mask_table_stats["misses"]
+            for _ in range(2):
+                F.scaled_dot_product_attention(*dts, attn_mask=mask).sum().backward()
+            reads.append(attention_cp.mask_table_stats["misses"] - before)
+        before = attention_cp.mask_table_stats["misses"]
+        window[0, 1] = 0.0  # an in-place write: read again
+        F.scaled_dot_product_attention(*dts, attn_mask=window)
+        reads.append(attention_cp.mask_table_stats["misses"] - before)
+        dtshard.config.attention_cp_check_masks = True
+        F.scaled_dot_product_attention(*dts, attn_mask=window)  # the same on both ranks: fine
+        try:
+            F.scaled_dot_product_attention(*dts, attn_mask=_window(10, 3 + torch.distributed.get_rank()))
+            caught = ""
+        except ValueError as e:
+            caught = str(e)
+    finally:
+        dtshard.config.attention_cp = old
+        dtshard.config.attention_cp_check_masks = False
+    return reads, caught
+
+
+def test_mask_read_once_and_agreement_check():
+    for reads, caught in run_distributed(_mask_reads_and_agreement, 2):
+        assert reads == [1, 2, 1], reads  # additive: once for 2 calls; boolean: once a forward
+        assert "differs between the ranks" in caught and "(10, 10)" in caught, caught
