@@ -159,8 +159,9 @@ def main():
         for world, rows in results:
             for r in rows:
                 if "s" not in r:
+                    b = r["plan_fwd_bytes"]
                     print(f"| {world} | {r['seq']} | {r['heads']} | {r['strategy']} | "
-                          f"{r['plan_fwd_bytes'] / 2**20:.2f} | {r['plan_fwd_bytes'] / r['kv_bytes']:.3f} | {r['auto']} |")
+                          f"{b / 2**20:.2f} | {b / r['kv_bytes']:.3f} | {r['auto']} |")
         print()
     print("| ranks | S | heads | strategy | step s | one process s (as many threads) | x one process | "
           "fwd received MiB/rank (plan) | received MiB/rank (fwd+bwd) | / K+V |")

@@ -5,6 +5,12 @@ ranks, a 2x2 mesh with the batch on the other mesh dim} x {sequence divisible by
 not}: the output and dq/dk/dv in float64 against one process (rel 1e-9) on every rank, the
 outputs and gradients laid out like the inputs, and the bytes each rank receives in the forward
 against the strategy's formula (all-gather of K/V: K and V once, with their own heads).
+
+With attention masks (every strategy, mask_kv included) x {random boolean (B, H, L, S), the same
+with rows masked everywhere, additive sliding windows below and above the local length ((L, S)
+and (1, 1, L, S)), 3 causal documents (boolean (B, 1, L, S), a Replicate DTensor)} x the same heads,
+meshes and sequences: the same checks, mask_kv's forward bytes within a window's K/V and under
+the whole K/V, each mask read once; compiled with fullgraph=True; the mask agreement check.
 """
 
 from __future__ import annotations
@@ -244,7 +250,8 @@ def _run_masked(mesh_shape):
         dmask = dtshard.distribute_tensor(mask, m, [Replicate()] * len(mesh_shape)) if kind == "documents" else mask
         for strategy in attention_cp.STRATEGIES:
             dts = [dtshard.distribute_tensor(t, m, placements).requires_grad_() for t in (q, k, v)]
-            if strategy == "ulysses" and kind != "random" and attention_cp._bytes(strategy, *dts, seq_dim_of_mesh) is None:
+            if strategy == "ulysses" and kind != "random" \
+                    and attention_cp._bytes(strategy, *dts, seq_dim_of_mesh) is None:
                 continue  # heads that do not divide: the rule's path, run once per head layout (random)
             dgo = dtshard.distribute_tensor(go, m, placements)
             float_mask = mask if mask.dtype != torch.bool else \
@@ -312,9 +319,9 @@ def test_masked_attention_strategies(mesh_shape):
 
 def _compiled_masked():
     """Under torch.compile(fullgraph=True): the ring with a document mask (a Replicate DTensor,
-    additive float (B, 1, L, S)) and ulysses with a sliding window exact, no graph break; mask_kv with a sliding window (plain
-    boolean (L, S)): it cannot read a traced mask, so it does not apply (no table is read) and the
-    call takes the rule's path, exact too."""
+    additive float (B, 1, L, S)) and ulysses with a sliding window, exact, no graph break; mask_kv
+    with a sliding window (plain boolean (L, S)) cannot read a traced mask, so it does not apply
+    (no table is read) and the call takes the rule's path, exact too."""
     m = mesh((2,))
     g = torch.Generator().manual_seed(5)
     q = torch.randn(2, 4, 9, 8, dtype=torch.float64, generator=g)
