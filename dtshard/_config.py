@@ -71,6 +71,10 @@ class config:
     #: only up to ``attention_cp_gather_bytes`` per rank, else passes them around the ring.
     attention_cp: str = "auto"
     attention_cp_gather_bytes: int = 256 * 2**20
+    #: Debug switch: before context parallelism uses an attention mask, check that every rank of
+    #: the mesh holds the same one (a digest of its bytes, one all_gather_object per call).  The
+    #: exchange plans assume it and cannot see a mask that differs per rank (a user error).
+    attention_cp_check_masks: bool = False
     #: Debug/test switch: also run the meta kernel where a rule's ``meta`` function stands in for
     #: it, and raise RuleError when the two disagree (the OpInfo sweep turns this on).
     verify_meta: bool = False

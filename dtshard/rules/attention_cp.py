@@ -28,16 +28,54 @@ query's layout (``out`` and ``logsumexp`` sequence-sharded), whatever strategy r
   ``Hkv/n`` key/value heads, and the results move back.  Needs ``H`` and ``Hkv`` divisible by the
   mesh dim's size ``n`` (then query head chunk ``i`` maps onto key/value head chunk ``i``).
   Received per rank, forward: ``(n-1)/n^2`` of q, k, v and the output.
+- **mask_kv** (with a mask whose values can be read): ONE all_to_all brings each rank exactly the
+  K/V rows (their own heads) its query rows leave unmasked somewhere, from their owners; the rank
+  attends its rows to them in one kernel call (the mask's columns of those keys, in global key
+  order).  Backward: the same exchange, then dK/dV of the received rows go back to their owners
+  with the reverse all_to_all and are summed in (index_add).  A sliding window of ``w`` keys is a
+  halo (about ``w`` rows from the predecessors); a document mask brings only the documents that
+  overlap the rank's rows.  Received per rank, forward: the rows the table says, the most over
+  the ranks as the cost.
 
-The cost (``_bytes``) is the bytes a rank receives in the forward, from global shapes only (the
-same on every rank, so every rank takes the same strategy); ``config.attention_cp`` forces one.
-Not here yet (issue #30): masks that shape the exchange (sliding windows as halos), FlexAttention,
+**Masks.**  Every strategy takes an attention mask that every rank holds whole and identical: a
+plain tensor or a DTensor replicated on every mesh dim (its local tensor), additive in q's dtype
+(``F.scaled_dot_product_attention`` turns a boolean mask into one before the kernel, a new tensor
+every call), 2-D ``(L, S)`` or 4-D broadcasting to ``(B, H, L, S)``.  Each kernel call gets the
+mask's slice for its rows and keys (and batch, or Ulysses' head chunk, where those are split).
+A row with no key in a block (every entry ``-inf``) gets log-sum-exp ``-inf`` there, so the merge
+gives the block weight 0; a row masked everywhere ends with output 0 and log-sum-exp 0, what the
+kernel gives in one process.  A sharded or partial mask, one that needs a gradient, or a mask
+with ``is_causal`` goes to the rule; when no strategy applies, a plain mask goes to the rule as a
+Replicate DTensor.  mask_kv's table (which keys each rank's rows need: an entry ``!= -inf``, so an
+HF-style ``finfo.min`` mask needs every key) is read from the whole mask ONCE per mask (cached by
+the tensor's identity, version counter and layout, 8 entries; ``mask_table_stats`` counts the
+reads): pass an additive mask of q's dtype to have it read once across calls, a boolean one is
+read on every forward (its backward reuses it).  While tracing (torch.compile: fake or functional
+tensors, or any dispatch mode) the values cannot be read, mask_kv does not apply, and the others
+run with the mask sliced.
+
+**Agreement.**  Every collective's sizes follow from data every rank shares: global shapes, and
+for mask_kv the table, which every rank computes from its copy of the same mask, so the
+all_to_all splits agree without a message.  A mask that differs between ranks is a user error
+these plans cannot see (the result would be wrong, or the exchange sizes would disagree);
+``config.attention_cp_check_masks = True`` checks it on every call (a digest of the mask's bytes
+over the mesh).
+
+The cost (``_bytes``) is the bytes a rank receives in the forward, from global shapes and the
+mask's table only (the same on every rank, so every rank takes the same strategy);
+``config.attention_cp`` forces one where it applies.  Not here yet (issue #30): FlexAttention,
 strided (load-balanced) causal layouts, which go to the rule, and Ulysses x ring on two mesh dims.
 """
 
 from __future__ import annotations
 
+import hashlib
+import weakref
+from collections import OrderedDict
+
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from dtshard import collectives as C
@@ -45,12 +83,12 @@ from dtshard._config import config
 from dtshard.handlers import DTensor, bind, make_spec, op_context, planned, to_local, wrap
 from dtshard.registry import register_handler
 
-__all__ = ["choose_strategy"]
+__all__ = ["choose_strategy", "mask_table_stats"]
 
 aten = torch.ops.aten
 _FWD = aten._scaled_dot_product_flash_attention_for_cpu.default
 _BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
-STRATEGIES = ("ulysses", "allgather_kv", "ring")
+STRATEGIES = ("ulysses", "allgather_kv", "ring", "mask_kv")
 
 
 def _seq_mesh_dim(q, k, v) -> int | None:
@@ -82,8 +120,9 @@ def _seq_mesh_dim(q, k, v) -> int | None:
     return found
 
 
-def _bytes(strategy: str, q, k, v, mesh_dim: int) -> float | None:
-    """Bytes each rank receives in the forward under ``strategy`` (None: it does not apply)."""
+def _bytes(strategy: str, q, k, v, mesh_dim: int, mask=None) -> float | None:
+    """Bytes each rank receives in the forward under ``strategy`` (None: it does not apply).
+    ``mask``: the attention mask's whole tensor (see :func:`_whole_mask`), or None."""
     n = q._spec.mesh_shape[mesh_dim]
     other = 1  # the other mesh dims' shards of the leading dims
     for i, p in enumerate(q._spec.placements):
@@ -100,22 +139,47 @@ def _bytes(strategy: str, q, k, v, mesh_dim: int) -> float | None:
             return None
         out = q.numel() // q.shape[-1] * v.shape[-1]
         return (n - 1) / n / n * (q.numel() + k.numel() + v.numel() + out) * item / other
+    if strategy == "mask_kv":
+        if mask is None or not _readable(mask):
+            return None  # no mask, or its values cannot be read (tracing): the others apply
+        table = _mask_table(mask, q, k, mesh_dim)
+        return table.max_received * _key_row_bytes(k, v, other)
     raise ValueError(f"config.attention_cp: unknown strategy {strategy!r}; one of 'auto', {STRATEGIES}")
 
 
-def choose_strategy(q, k, v, mesh_dim: int) -> str | None:
+def _key_row_bytes(k, v, other: int) -> float:
+    """Bytes of one key row of K and V together (their own heads, this rank's leading dims)."""
+    seq = k.shape[-2]
+    return (k.numel() + v.numel()) // max(seq, 1) * k.element_size() / other
+
+
+def choose_strategy(q, k, v, mesh_dim: int, mask=None) -> str | None:
     """The strategy for this call: ``config.attention_cp`` when it names one that applies, else
     the one whose forward receives the fewest bytes per rank; ties go to the first of STRATEGIES
-    (all-gather of K/V before the ring: one collective instead of ``n - 1``), except that K and V
-    are not gathered whole when that would hold more than ``config.attention_cp_gather_bytes``
-    per rank (the ring holds two blocks)."""
+    (all-gather of K/V before the ring: one collective instead of ``n - 1``; both before
+    mask_kv, which gathers rows by index), except that K and V are not gathered whole when that
+    would hold more than ``config.attention_cp_gather_bytes`` per rank (the ring holds two
+    blocks; mask_kv holds the rows the mask needs, counted the same way)."""
     forced = config.attention_cp
     if forced != "auto":
-        return forced if _bytes(forced, q, k, v, mesh_dim) is not None else None
-    costs = [(c, s) for s in STRATEGIES if (c := _bytes(s, q, k, v, mesh_dim)) is not None]
-    if any(s == "ring" for _, s in costs) and _gathered_bytes(q, k, v, mesh_dim) > config.attention_cp_gather_bytes:
-        costs = [(c, s) for c, s in costs if s != "allgather_kv"]
+        return forced if _bytes(forced, q, k, v, mesh_dim, mask) is not None else None
+    costs = [(c, s) for s in STRATEGIES if (c := _bytes(s, q, k, v, mesh_dim, mask)) is not None]
+    if any(s == "ring" for _, s in costs):
+        cap = config.attention_cp_gather_bytes
+        if _gathered_bytes(q, k, v, mesh_dim) > cap:
+            costs = [(c, s) for c, s in costs if s != "allgather_kv"]
+        if any(s == "mask_kv" for _, s in costs) and _mask_held_bytes(mask, q, k, v, mesh_dim) > cap:
+            costs = [(c, s) for c, s in costs if s != "mask_kv"]
     return min(costs, key=lambda cs: cs[0])[1] if costs else None
+
+
+def _mask_held_bytes(mask, q, k, v, mesh_dim: int) -> float:
+    """K and V rows one rank holds under mask_kv (received and its own), the most over the ranks."""
+    other = 1
+    for i, p in enumerate(q._spec.placements):
+        if i != mesh_dim and type(p) is Shard:
+            other *= q._spec.mesh_shape[i]
+    return _mask_table(mask, q, k, mesh_dim).max_held * _key_row_bytes(k, v, other)
 
 
 def _gathered_bytes(q, k, v, mesh_dim: int) -> float:
@@ -164,7 +228,10 @@ def _pieces(start: int, stop: int, a: int, b: int, causal: bool):
 
 class _Merge:
     """Attention over key blocks from each block's ``(out, logsumexp)`` on a suffix of the rows,
-    merged online through the log-sum-exps, accumulated in float32 (float64 for float64)."""
+    merged online through the log-sum-exps, accumulated in float32 (float64 for float64).  A
+    block a row has no key in carries log-sum-exp ``-inf`` (see :func:`_dead_rows`): weight 0,
+    and no NaN while the row has no key yet; a row with no key anywhere ends with output 0 and
+    log-sum-exp 0, what the kernel gives in one process."""
 
     def __init__(self, ql, ev: int, lse_dtype):
         self.dtype, self.lse_dtype = ql.dtype, lse_dtype
@@ -174,30 +241,42 @@ class _Merge:
 
     def add(self, row: int, o, lse) -> None:
         old = self.lse[..., row:]
-        new = torch.logaddexp(old, lse.to(old.dtype))
+        lse = lse.to(old.dtype)
+        new = torch.logaddexp(old, lse)
+        ref = new.masked_fill(new == float("-inf"), 0.0)  # no key yet: both weights exp(-inf) = 0
         acc = self.out[..., row:, :]
-        acc.mul_(torch.exp(old - new).unsqueeze(-1)).add_(o.to(acc.dtype) * torch.exp(lse.to(old.dtype) - new).unsqueeze(-1))
+        acc.mul_(torch.exp(old - ref).unsqueeze(-1)).add_(o.to(acc.dtype) * torch.exp(lse - ref).unsqueeze(-1))
         self.lse[..., row:] = new
 
     def result(self):
-        return self.out.to(self.dtype), self.lse.to(self.lse_dtype)
+        lse = self.lse.masked_fill(self.lse == float("-inf"), 0.0)
+        return self.out.to(self.dtype), lse.to(self.lse_dtype)
 
 
-def _forward_block(op, merge, ql, kb, vb, a, b, start, stop, causal, scale) -> None:
-    """Rows ``[start, stop)`` (``ql``) attended to the key block ``[a, b)`` (``kb``, ``vb``)."""
+def _forward_block(op, merge, ql, kb, vb, a, b, start, stop, causal, scale, mask=None) -> None:
+    """Rows ``[start, stop)`` (``ql``) attended to the key block ``[a, b)`` (``kb``, ``vb``);
+    ``mask``: this rank's mask (all query rows and keys, see :func:`_local_mask`) or None."""
     for row, k0, k1, c in _pieces(start, stop, a, b, causal):
-        o, lse = op(ql[..., row:, :], kb[..., k0:k1, :], vb[..., k0:k1, :], 0.0, c, scale=scale)
+        if mask is None:
+            o, lse = op(ql[..., row:, :], kb[..., k0:k1, :], vb[..., k0:k1, :], 0.0, c, scale=scale)
+        else:
+            mb = _mask_block(mask, start + row, stop, (a + k0, a + k1))
+            o, lse = op(ql[..., row:, :], kb[..., k0:k1, :], vb[..., k0:k1, :], 0.0, c, attn_mask=mb, scale=scale)
+            dead = _dead_rows(mb)
+            o, lse = o.masked_fill(dead.unsqueeze(-1), 0.0), lse.masked_fill(dead, float("-inf"))
         merge.add(row, o, lse)
 
 
-def _backward_block(op, grads, gl, ql, kb, vb, outl, lsel, a, b, start, stop, causal, scale):
+def _backward_block(op, grads, gl, ql, kb, vb, outl, lsel, a, b, start, stop, causal, scale, mask=None):
     """The gradients of rows ``[start, stop)`` against the key block ``[a, b)``: the kernel's
-    backward with the GLOBAL output and log-sum-exp (each block's slice of the full softmax),
-    added into ``grads = (dq, dk_block, dv_block)``."""
+    backward with the GLOBAL output and log-sum-exp (each block's slice of the full softmax; a
+    masked entry's probability ``exp(-inf - lse)`` is 0), added into ``grads = (dq, dk_block,
+    dv_block)``."""
     dq, dk, dv = grads
     for row, k0, k1, c in _pieces(start, stop, a, b, causal):
+        extra = {} if mask is None else {"attn_mask": _mask_block(mask, start + row, stop, (a + k0, a + k1))}
         gq, gk, gv = op(gl[..., row:, :], ql[..., row:, :], kb[..., k0:k1, :], vb[..., k0:k1, :],
-                        outl[..., row:, :], lsel[..., row:], 0.0, c, scale=scale)
+                        outl[..., row:, :], lsel[..., row:], 0.0, c, scale=scale, **extra)
         dq[..., row:, :].add_(gq)
         dk[..., k0:k1, :].add_(gk)
         dv[..., k0:k1, :].add_(gv)
@@ -250,23 +329,191 @@ def _numel(shape) -> int:
     return n
 
 
+# --- attention masks -------------------------------------------------------------------------
+
+
+def _whole_mask(mask, q, k, is_causal):
+    """The plain tensor of an attention mask every rank holds whole and identical (a plain
+    tensor, or a DTensor replicated on every dim of q's mesh: its local tensor), in q's dtype
+    (``F.scaled_dot_product_attention`` has already turned a boolean mask into an additive one),
+    2-D or 4-D, broadcasting to the scores ``(B, H, L, S)``; None when the call goes to the rule
+    instead (a sharded or partial mask, one that needs a gradient, a mask with ``is_causal``)."""
+    if is_causal or mask.requires_grad:
+        return None
+    if type(mask) is DTensor:
+        spec = mask._spec
+        if spec.extra is not None or spec.mesh is not q._spec.mesh \
+                or any(type(p) is not Replicate for p in spec.placements):
+            return None
+        mask = mask._local_tensor
+    elif not isinstance(mask, torch.Tensor) or isinstance(mask, DTensor) or not _plain_or_traced(mask):
+        return None
+    if mask.dtype != q.dtype or mask.dim() not in (2, 4) or mask.dim() > q.dim():
+        return None  # the kernel's own error, on the rule's path
+    scores = tuple(q.shape[:-1]) + (k.shape[-2],)
+    for m, s in zip(reversed(mask.shape), reversed(scores)):
+        if m not in (1, s):
+            return None
+    return mask
+
+
+def _plain_or_traced(t) -> bool:
+    """A plain tensor, or a tracing stand-in for one (fake or functional: torch.compile)."""
+    return type(t) is torch.Tensor or is_fake(t) or torch._is_functional_tensor(t)
+
+
+def _readable(mask) -> bool:
+    """Can the mask's values be read now (eagerly, not while tracing: a table read from traced
+    values would be baked into the graph, or cannot be read at all)?"""
+    return (type(mask) is torch.Tensor and mask.device.type != "meta" and not torch.compiler.is_compiling()
+            and _get_current_dispatch_mode() is None and not is_fake(mask))
+
+
+def _local_mask(mask, q, mesh_dim: int):
+    """The mask's part for this rank's leading dims (batch, heads) where another mesh dim shards
+    them; the query and key dims stay whole."""
+    spec = q._spec
+    if all(type(p) is not Shard or i == mesh_dim for i, p in enumerate(spec.placements)):
+        return mask
+    shape, offset = spec.local_shape_and_offset(C.mesh_coordinate(spec.mesh))
+    lead = q.dim() - mask.dim()
+    for d in range(q.dim() - 2):
+        md = d - lead
+        if md >= 0 and mask.shape[md] != 1 and shape[d] != q.shape[d]:
+            mask = mask.narrow(md, offset[d], shape[d])
+    return mask
+
+
+def _mask_block(mask, r0: int, r1: int, keys):
+    """The mask for query rows ``[r0, r1)`` and the keys ``keys`` (a ``(k0, k1)`` range or an index
+    tensor of global keys), size-1 (broadcast) dims kept."""
+    if mask.shape[-2] != 1:
+        mask = mask[..., r0:r1, :]
+    if mask.shape[-1] != 1:
+        mask = mask[..., keys[0]:keys[1]] if isinstance(keys, tuple) else mask.index_select(-1, keys)
+    return mask
+
+
+def _dead_rows(mask_block):
+    """Rows with no key left in this block (every entry ``-inf``): the kernel returns output 0 and
+    log-sum-exp 0 for them (as one process does for a row masked everywhere), which merged with
+    the other blocks would count as weight ``exp(0)``; they are given ``-inf`` instead."""
+    return (mask_block == float("-inf")).all(-1)
+
+
+class _MaskTable:
+    """Which key rows each rank's query chunk attends to, from the whole mask: ``need[r]`` holds
+    the global key indices (sorted) that some query row of rank ``r`` (any batch, any head)
+    leaves unmasked (``!= -inf``).  Every rank computes the same table from the same mask, so
+    the all_to_all sizes it gives agree on every rank without a message."""
+
+    def __init__(self, mask, q_chunks, k_chunks, n_keys: int):
+        self.n = len(q_chunks)
+        starts = torch.tensor([a for a, _ in k_chunks])
+        stops = torch.tensor([b for _, b in k_chunks])
+        self.need, self.counts = [], []  # counts[r][j]: keys rank r needs from owner j
+        for a, b in q_chunks:
+            part = mask if mask.shape[-2] == 1 else mask[..., a:b, :]
+            if b <= a or part.numel() == 0:
+                alive = torch.zeros(n_keys, dtype=torch.bool)
+            else:
+                alive = (part != float("-inf")).reshape(-1, part.shape[-1]).any(0)
+                if alive.numel() == 1:
+                    alive = alive.expand(n_keys)
+            idx = alive.nonzero().flatten()
+            self.need.append(idx)
+            lo, hi = torch.searchsorted(idx, starts).tolist(), torch.searchsorted(idx, stops).tolist()
+            self.counts.append([max(h - l, 0) for l, h in zip(lo, hi)])
+        self.k_chunks = list(k_chunks)
+        self.max_received = max(sum(c) - c[r] for r, c in enumerate(self.counts))
+        self.max_held = max(sum(c) for c in self.counts)
+        self._plans: dict = {}
+
+    def plan(self, me: int):
+        """This rank's exchange: ``(send_idx, send_counts, recv_idx, recv_counts)``: the local
+        key rows it sends (to rank 0, 1, ... in turn, as one index), how many to each rank, the
+        global keys it receives (global key order, owner by owner), how many from each owner."""
+        hit = self._plans.get(me)
+        if hit is None:
+            a = self.k_chunks[me][0]
+            sends, send_counts = [], []
+            for r in range(self.n):
+                lo = int(torch.searchsorted(self.need[r], a)) if self.counts[r][me] else 0
+                sends.append(self.need[r][lo:lo + self.counts[r][me]] - a)
+                send_counts.append(self.counts[r][me])
+            hit = self._plans[me] = (torch.cat(sends), send_counts, self.need[me], list(self.counts[me]))
+        return hit
+
+
+_MASK_TABLES: OrderedDict = OrderedDict()
+_MASK_TABLES_MAX = 8
+#: table computations (misses) and reuses (hits) since import: a mask is read once while it lives
+#: unchanged (keyed by the tensor's identity and version counter)
+mask_table_stats = {"misses": 0, "hits": 0}
+
+
+def _mask_table(mask, q, k, mesh_dim: int) -> _MaskTable:
+    """The table of ``mask`` for this call's chunks, computed once per mask: cached by the
+    tensor's identity (a weak reference, so a dead mask's id reused by a new one never hits),
+    version counter (an in-place write reads it again), storage and layout, and the chunks."""
+    q_chunks, k_chunks = tuple(_chunks(q, mesh_dim)), tuple(_chunks(k, mesh_dim))
+    key = (id(mask), mask._version, mask.data_ptr(), tuple(mask.shape), tuple(mask.stride()), q_chunks, k_chunks)
+    hit = _MASK_TABLES.get(key)
+    if hit is not None and hit[0]() is mask:
+        _MASK_TABLES.move_to_end(key)
+        mask_table_stats["hits"] += 1
+        return hit[1]
+    mask_table_stats["misses"] += 1
+    table = _MaskTable(mask, q_chunks, k_chunks, k.shape[-2])
+    _MASK_TABLES[key] = (weakref.ref(mask), table)
+    while len(_MASK_TABLES) > _MASK_TABLES_MAX:
+        _MASK_TABLES.popitem(last=False)
+    return table
+
+
+def _check_mask_agreement(op, mask, q) -> None:
+    """``config.attention_cp_check_masks``: raise unless every rank of q's mesh holds the same
+    mask (a digest of its bytes, one all_gather_object over the mesh)."""
+    m = mask.contiguous()
+    digest = hashlib.blake2b(m.reshape(-1).view(torch.uint8).numpy().tobytes(), digest_size=16).hexdigest()
+    got = C.all_gather_object_mesh((tuple(m.shape), str(m.dtype), digest), q._spec.mesh)
+    if len(set(got)) > 1:
+        raise ValueError(
+            f"{op}: the attention mask {tuple(mask.shape)} differs between the ranks of mesh "
+            f"{tuple(q._spec.mesh.shape)} (q {tuple(q.shape)}, placements {tuple(q._spec.placements)}); "
+            "context parallelism needs the same whole mask on every rank")
+
+
+def _exchange_rows(x, send_idx, send_counts, recv_counts, mesh, mesh_dim: int):
+    """Rows ``send_idx`` of ``x`` (the sequence dim, -2) to their ranks, and the rows from each
+    owner back, as ONE all_to_all: returns the received rows, sequence at -2."""
+    rows = x.movedim(-2, 0).index_select(0, send_idx)
+    got = C.all_to_all(rows, recv_counts, send_counts, mesh, mesh_dim)
+    return got.movedim(0, -2)
+
+
 @register_handler(_FWD, before_rule=True)
 def sdpa_context_parallel(op, args, kwargs):
     """Forward attention on sequence-sharded q, k, v (see the module docstring)."""
     q, k, v, dropout_p, is_causal, attn_mask, scale = bind(op, args, kwargs)
-    i = _seq_mesh_dim(q, k, v) if attn_mask is None and not dropout_p else None
-    strategy = None if i is None else choose_strategy(q, k, v, i)
+    i = _seq_mesh_dim(q, k, v) if not dropout_p else None
+    i, mask = _with_mask(op, i, attn_mask, q, k, is_causal)
+    strategy = None if i is None else choose_strategy(q, k, v, i, mask)
     if strategy is None:
-        return planned(op, args, kwargs)
+        return planned(op, args, _replicated_mask(kwargs, mask, q))
     placements, causal = q._spec.placements, bool(is_causal)
     out_shape = tuple(q.shape[:-1]) + (v.shape[-1],)
     lse_dtype = _lse_dtype(q.dtype)
+    ml = None if mask is None else _local_mask(mask, q, i)
     with op_context(op):
         if strategy == "ulysses":
             heads = _with(placements, i, Shard(q.dim() - 3))
-            o, lse = op(to_local(q, heads), to_local(k, heads), to_local(v, heads), 0.0, causal, scale=scale)
+            extra = {} if ml is None else {"attn_mask": _heads_mask(ml, q, i)}
+            o, lse = op(to_local(q, heads), to_local(k, heads), to_local(v, heads), 0.0, causal, scale=scale, **extra)
             o = to_local(wrap(o, _spec_like(q, heads, out_shape)), placements)
             lse = to_local(wrap(lse, _spec_like(q, heads, out_shape[:-1], lse.dtype)), placements)
+        elif strategy == "mask_kv":
+            o, lse = _mask_kv_forward(op, q, k, v, mask, ml, i, scale, lse_dtype)
         else:
             ql = q._local_tensor
             start, stop = _rows(q, i)
@@ -275,15 +522,15 @@ def sdpa_context_parallel(op, args, kwargs):
                 full = _with(placements, i, Replicate())
                 kl, vl = to_local(k, full), to_local(v, full)
                 if stop > start:
-                    _forward_block(op, merge, ql, kl, vl, 0, k.shape[-2], start, stop, causal, scale)
+                    _forward_block(op, merge, ql, kl, vl, 0, k.shape[-2], start, stop, causal, scale, ml)
             else:
-                _ring_forward(op, merge, q, k, v, i, start, stop, causal, scale)
+                _ring_forward(op, merge, q, k, v, i, start, stop, causal, scale, ml)
             o, lse = merge.result()
         return (wrap(o, _spec_like(q, placements, out_shape)),
                 wrap(lse, _spec_like(q, placements, out_shape[:-1], lse.dtype)))
 
 
-def _ring_forward(op, merge, q, k, v, i, start, stop, causal, scale) -> None:
+def _ring_forward(op, merge, q, k, v, i, start, stop, causal, scale, mask=None) -> None:
     """Pass K/V around the ring: at step ``t`` this rank holds the block of rank ``me - t`` and
     computes with it while the next block travels (issued before the compute, waited after)."""
     n, me = q._spec.mesh_shape[i], C.mesh_coordinate(q._spec.mesh)[i]
@@ -297,7 +544,7 @@ def _ring_forward(op, merge, q, k, v, i, start, stop, causal, scale) -> None:
             pending = _shift(blocks, b - a, q._spec.mesh, i, n, me)
         a, b = chunks[src]
         if stop > start:
-            _forward_block(op, merge, q._local_tensor, blocks[0], blocks[1], a, b, start, stop, causal, scale)
+            _forward_block(op, merge, q._local_tensor, blocks[0], blocks[1], a, b, start, stop, causal, scale, mask)
         if pending is not None:
             blocks = _arrived(pending)
 
@@ -310,20 +557,27 @@ def _lse_dtype(dtype):
 def sdpa_context_parallel_backward(op, args, kwargs):
     """Backward of :func:`sdpa_context_parallel` (chooses its strategy again; each is exact)."""
     g, q, k, v, out, lse, dropout_p, is_causal, attn_mask, scale = bind(op, args, kwargs)
-    i = _seq_mesh_dim(q, k, v) if attn_mask is None and not dropout_p else None
+    i = _seq_mesh_dim(q, k, v) if not dropout_p else None
     if i is not None and not all(type(t) is DTensor and t._spec.placements == q._spec.placements
-                                 and t._spec.extra is None for t in (g, out, lse)):
+                                 and t._spec.mesh is q._spec.mesh and t._spec.extra is None for t in (g, out, lse)):
         i = None
-    strategy = None if i is None else choose_strategy(q, k, v, i)
+    i, mask = _with_mask(op, i, attn_mask, q, k, is_causal)
+    strategy = None if i is None else choose_strategy(q, k, v, i, mask)
     if strategy is None:
-        return planned(op, args, kwargs)
+        return planned(op, args, _replicated_mask(kwargs, mask, q))
     placements, causal = q._spec.placements, bool(is_causal)
+    ml = None if mask is None else _local_mask(mask, q, i)
     with op_context(op):
         if strategy == "ulysses":
             heads = _with(placements, i, Shard(q.dim() - 3))
-            gq, gk, gv = op(*(to_local(t, heads) for t in (g, q, k, v, out, lse)), 0.0, causal, scale=scale)
+            extra = {} if ml is None else {"attn_mask": _heads_mask(ml, q, i)}
+            gq, gk, gv = op(*(to_local(t, heads) for t in (g, q, k, v, out, lse)), 0.0, causal, scale=scale, **extra)
             return tuple(wrap(to_local(wrap(x, _spec_like(t, heads)), placements), _spec_like(t, placements))
                          for x, t in ((gq, q), (gk, k), (gv, v)))
+        if strategy == "mask_kv":
+            dq, dk, dv = _mask_kv_backward(op, g, q, k, v, out, lse, mask, ml, i, scale)
+            return (wrap(dq, _spec_like(q, placements)), wrap(dk, _spec_like(k, placements)),
+                    wrap(dv, _spec_like(v, placements)))
         start, stop = _rows(q, i)
         local = [t._local_tensor for t in (g, q, out, lse)]
         dq = torch.zeros_like(q._local_tensor)
@@ -333,17 +587,17 @@ def sdpa_context_parallel_backward(op, args, kwargs):
             dk, dv = torch.zeros_like(kl), torch.zeros_like(vl)
             if stop > start:
                 _backward_block(op, (dq, dk, dv), local[0], local[1], kl, vl, local[2], local[3], 0, k.shape[-2],
-                                start, stop, causal, scale)
+                                start, stop, causal, scale, ml)
             partial = _with(placements, i, Partial("sum"))
             dk = to_local(wrap(dk, _spec_like(k, partial)), placements)  # one reduce_scatter each
             dv = to_local(wrap(dv, _spec_like(v, partial)), placements)
         else:
-            dk, dv = _ring_backward(op, dq, local, k, v, i, start, stop, causal, scale)
+            dk, dv = _ring_backward(op, dq, local, k, v, i, start, stop, causal, scale, ml)
         return (wrap(dq, _spec_like(q, placements)), wrap(dk, _spec_like(k, placements)),
                 wrap(dv, _spec_like(v, placements)))
 
 
-def _ring_backward(op, dq, local, k, v, i, start, stop, causal, scale):
+def _ring_backward(op, dq, local, k, v, i, start, stop, causal, scale, mask=None):
     """K/V travel the ring as in the forward, each with its gradient accumulator, which every
     rank adds its rows' contribution to; after the last step one more shift takes each
     accumulator home.  Returns this rank's ``(dk, dv)``."""
@@ -360,7 +614,7 @@ def _ring_backward(op, dq, local, k, v, i, start, stop, causal, scale):
             pending = _shift([kb, vb], b - a, k._spec.mesh, i, n, me)
         a, b = chunks[src]
         if stop > start:
-            _backward_block(op, (dq, dk, dv), g, ql, kb, vb, outl, lsel, a, b, start, stop, causal, scale)
+            _backward_block(op, (dq, dk, dv), g, ql, kb, vb, outl, lsel, a, b, start, stop, causal, scale, mask)
         # the accumulators follow their blocks (the last shift takes them to their owners)
         a, b = chunks[(me - t - 1) % n]
         grads = _arrived(_shift([dk, dv], b - a, k._spec.mesh, i, n, me))
@@ -368,3 +622,83 @@ def _ring_backward(op, dq, local, k, v, i, start, stop, causal, scale):
             kb, vb = _arrived(pending)
         dk, dv = grads
     return dk, dv
+
+
+def _with_mask(op, i, attn_mask, q, k, is_causal):
+    """``(mesh dim, whole mask)`` for the call: the mesh dim kept when there is no mask or the
+    mask is one every strategy takes (:func:`_whole_mask`), else None (the rule's path)."""
+    if i is None or attn_mask is None:
+        return i, None
+    mask = _whole_mask(attn_mask, q, k, is_causal)
+    if mask is None:
+        return None, None
+    if config.attention_cp_check_masks and _readable(mask):
+        _check_mask_agreement(op, mask, q)
+    return i, mask
+
+
+def _replicated_mask(kwargs, mask, q) -> dict:
+    """The rule's path for a call whose plain-tensor mask context parallelism took as whole and
+    identical on every rank (none of its strategies applies): the same tensor as a Replicate
+    DTensor (no communication), so the rule shards it along with the queries."""
+    m = kwargs.get("attn_mask")
+    if mask is None or m is None or isinstance(m, DTensor):
+        return kwargs
+    mesh = q._spec.mesh
+    return dict(kwargs, attn_mask=wrap(mask, make_spec(mesh, (Replicate(),) * mesh.ndim, mask.shape, mask.dtype)))
+
+
+def _heads_mask(ml, q, i):
+    """Ulysses: the mask for this rank's chunk of query heads (when it has a heads dim of H)."""
+    if ml.dim() < 4 or ml.shape[-3] == 1:
+        return ml
+    n, me = q._spec.mesh_shape[i], C.mesh_coordinate(q._spec.mesh)[i]
+    h = q.shape[-3] // n
+    return ml.narrow(-3, me * h, h)
+
+
+def _mask_kv_exchange(k, v, table, i):
+    """mask_kv: the key rows this rank's queries need, from their owners, as ONE all_to_all of K
+    and V together (their own heads).  Returns ``(kr, vr, plan)``."""
+    me = C.mesh_coordinate(k._spec.mesh)[i]
+    plan = send_idx, send_counts, recv_idx, recv_counts = table.plan(me)
+    kl, vl = k._local_tensor, v._local_tensor
+    if table.max_held == 0:  # no rank needs any key (every rank knows it from the same table)
+        empty = tuple(kl.shape[:-2]) + (0,)
+        return kl.new_zeros(empty + (kl.shape[-1],)), vl.new_zeros(empty + (vl.shape[-1],)), plan
+    kv = _exchange_rows(torch.cat([kl, vl], -1), send_idx, send_counts, recv_counts, k._spec.mesh, i)
+    e = kl.shape[-1]
+    return kv[..., :e].contiguous(), kv[..., e:].contiguous(), plan
+
+
+def _mask_kv_forward(op, q, k, v, mask, ml, i, scale, lse_dtype):
+    """This rank's rows attended to exactly the keys they need (one kernel call, the mask's
+    columns of those keys in global key order); no query row, or no key for any of them: output 0
+    and log-sum-exp 0, what one process gives rows masked everywhere."""
+    kr, vr, plan = _mask_kv_exchange(k, v, _mask_table(mask, q, k, i), i)
+    ql = q._local_tensor
+    start, stop = _rows(q, i)
+    if stop > start and kr.shape[-2]:
+        return op(ql, kr, vr, 0.0, False, attn_mask=_mask_block(ml, start, stop, plan[2]), scale=scale)
+    return ql.new_zeros(tuple(ql.shape[:-1]) + (vr.shape[-1],)), ql.new_zeros(tuple(ql.shape[:-1]), dtype=lse_dtype)
+
+
+def _mask_kv_backward(op, g, q, k, v, out, lse, mask, ml, i, scale):
+    """The forward's exchange again, the kernel's backward on the received keys, and dK/dV of
+    those rows back to their owners (the reverse all_to_all), summed in with index_add."""
+    table = _mask_table(mask, q, k, i)
+    kr, vr, (send_idx, send_counts, recv_idx, recv_counts) = _mask_kv_exchange(k, v, table, i)
+    ql, kl, vl = q._local_tensor, k._local_tensor, v._local_tensor
+    start, stop = _rows(q, i)
+    if stop > start and kr.shape[-2]:
+        dq, gk, gv = op(g._local_tensor, ql, kr, vr, out._local_tensor, lse._local_tensor, 0.0, False,
+                        attn_mask=_mask_block(ml, start, stop, recv_idx), scale=scale)
+    else:
+        dq, gk, gv = torch.zeros_like(ql), torch.zeros_like(kr), torch.zeros_like(vr)
+    if table.max_held == 0:
+        return dq, torch.zeros_like(kl), torch.zeros_like(vl)
+    back = C.all_to_all(torch.cat([gk, gv], -1).movedim(-2, 0).contiguous(), send_counts, recv_counts,
+                        k._spec.mesh, i)
+    dkv = back.new_zeros((kl.shape[-2],) + tuple(back.shape[1:])).index_add_(0, send_idx, back).movedim(0, -2)
+    e = kl.shape[-1]
+    return dq, dkv[..., :e].contiguous(), dkv[..., e:].contiguous()

@@ -5,6 +5,12 @@ ranks, a 2x2 mesh with the batch on the other mesh dim} x {sequence divisible by
 not}: the output and dq/dk/dv in float64 against one process (rel 1e-9) on every rank, the
 outputs and gradients laid out like the inputs, and the bytes each rank receives in the forward
 against the strategy's formula (all-gather of K/V: K and V once, with their own heads).
+
+With attention masks (every strategy, mask_kv included) x {random boolean (B, H, L, S), the same
+with rows masked everywhere, additive sliding windows below and above the local length ((L, S)
+and (1, 1, L, S)), 3 causal documents (boolean (B, 1, L, S), a Replicate DTensor)} x the same heads,
+meshes and sequences: the same checks, mask_kv's forward bytes within a window's K/V and under
+the whole K/V, each mask read once; compiled with fullgraph=True; the mask agreement check.
 """
 
 from __future__ import annotations
@@ -28,8 +34,8 @@ HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}  # GQA 4:1; MQA: one key/v
 
 def _cases(world):
     seqs = (2 * world, 2 * world + 3)  # divisible by the ranks, and not
-    for strategy, masking, heads, seq in itertools.product(attention_cp.STRATEGIES, ("none", "causal", "causal_kv"),
-                                                          HEADS, seqs):
+    strategies = [s for s in attention_cp.STRATEGIES if s != "mask_kv"]  # (mask_kv needs a mask)
+    for strategy, masking, heads, seq in itertools.product(strategies, ("none", "causal", "causal_kv"), HEADS, seqs):
         yield strategy, masking, heads, seq
 
 
@@ -179,3 +185,215 @@ def _compiled(strategy, hkv):
 @pytest.mark.parametrize("strategy,hkv", [("ulysses", 4), ("allgather_kv", 1), ("ring", 1)])
 def test_compiled_fullgraph(strategy, hkv):
     assert max(run_distributed(_compiled, 2, strategy, hkv)) < 1e-9
+
+
+# --- attention masks -----------------------------------------------------------------------------
+
+MASKS = ("random", "dead_rows", "window_small", "window_large", "documents")
+WINDOW = {"window_small": 3, "window_large": 6}  # local length 4 (4 rows a rank): w below and above it
+
+
+def _window(seq, w):
+    """Causal sliding window: row i sees keys (i - w, i]; additive float, shape (L, S)."""
+    i = torch.arange(seq)
+    keep = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - w)
+    return torch.zeros(seq, seq, dtype=torch.float64).masked_fill(~keep, float("-inf"))
+
+
+def _mask(kind, b, h, seq, g):
+    """The mask of each kind, with its broadcasting shape and type: random: boolean (B, H, L, S),
+    every row keeping a key; dead_rows: the same with rows masked everywhere; windows: additive
+    float (L, S) and (1, 1, L, S); documents: boolean (B, 1, L, S), 3 documents of uneven lengths
+    per batch (boundaries differing between batches), causal within."""
+    if kind in ("random", "dead_rows"):
+        m = torch.rand(b, h, seq, seq, generator=g) > 0.6
+        m[..., torch.arange(seq), torch.randint(0, seq, (seq,), generator=g)] = True
+        if kind == "dead_rows":
+            m[:, :, 0] = False  # the first row of the first rank, and rows of the last rank's
+            m[1, :, seq - 2:] = False
+        return m
+    if kind in WINDOW:
+        m = _window(seq, WINDOW[kind])
+        return m if kind == "window_small" else m[None, None]
+    i = torch.arange(seq)
+    m = torch.zeros(b, 1, seq, seq, dtype=torch.bool)
+    for bi in range(b):
+        cuts = [0, seq // 5 + bi, seq // 5 + bi + seq // 2, seq]  # uneven: ~1/5, 1/2, the rest
+        doc = torch.bucketize(i, torch.tensor(cuts[1:-1]), right=True)
+        m[bi, 0] = (doc[:, None] == doc[None, :]) & (i[None, :] <= i[:, None])
+    return m
+
+
+def _run_masked(mesh_shape):
+    m = mesh(mesh_shape)
+    seq_dim_of_mesh = len(mesh_shape) - 1
+    placements = [Replicate()] * len(mesh_shape)
+    placements[seq_dim_of_mesh] = Shard(2)
+    if len(mesh_shape) == 2:
+        placements[0] = Shard(0)  # the batch on the other mesh dim
+    n = mesh_shape[seq_dim_of_mesh]
+    other = mesh_shape[0] if len(mesh_shape) == 2 else 1
+    results = []
+    for kind, heads, seq in itertools.product(MASKS, HEADS, (4 * n, 4 * n + 3)):
+        h, hkv = HEADS[heads]
+        gqa = hkv != h
+        g = torch.Generator().manual_seed(seq * 7 + h)
+        q = torch.randn(2, h, seq, 8, generator=g, dtype=torch.float64)
+        k, v = (torch.randn(2, hkv, seq, 8, generator=g, dtype=torch.float64) for _ in range(2))
+        go = torch.randn(2, h, seq, 8, generator=g, dtype=torch.float64)
+        mask = _mask(kind, 2, h, seq, g)
+        ref = [t.clone().requires_grad_() for t in (q, k, v)]
+        want = F.scaled_dot_product_attention(*ref, attn_mask=mask, enable_gqa=gqa)
+        want.backward(go)
+        wants = [want] + [r.grad for r in ref]
+        # documents: a Replicate DTensor (its local tensor is the mask); the others plain tensors
+        dmask = dtshard.distribute_tensor(mask, m, [Replicate()] * len(mesh_shape)) if kind == "documents" else mask
+        for strategy in attention_cp.STRATEGIES:
+            dts = [dtshard.distribute_tensor(t, m, placements).requires_grad_() for t in (q, k, v)]
+            if strategy == "ulysses" and kind != "random" \
+                    and attention_cp._bytes(strategy, *dts, seq_dim_of_mesh) is None:
+                continue  # heads that do not divide: the rule's path, run once per head layout (random)
+            dgo = dtshard.distribute_tensor(go, m, placements)
+            float_mask = mask if mask.dtype != torch.bool else \
+                torch.zeros(mask.shape, dtype=torch.float64).masked_fill(~mask, float("-inf"))
+            old = dtshard.config.attention_cp
+            dtshard.config.attention_cp = strategy
+            misses = attention_cp.mask_table_stats["misses"]
+            try:
+                with CommCounter() as fwd:
+                    out = F.scaled_dot_product_attention(*dts, attn_mask=dmask, enable_gqa=gqa)
+                out.backward(dgo)
+                misses = attention_cp.mask_table_stats["misses"] - misses  # forward and backward
+                lse_err = 0.0
+                if kind == "dead_rows":  # the op's log-sum-exp too: rows masked everywhere as one process
+                    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+                    _, lse = op(*(d.detach() for d in dts), attn_mask=float_mask)
+                    _, want_lse = op(q, k, v, attn_mask=float_mask)
+                    lse_err = (lse.full_tensor() - want_lse).abs().max().item()
+            except Exception as e:
+                raise AssertionError(f"{strategy}, {kind}, {heads}, seq {seq} on mesh {mesh_shape}") from e
+            finally:
+                dtshard.config.attention_cp = old
+            applies = attention_cp._bytes(strategy, *dts, seq_dim_of_mesh, float_mask) is not None
+            got = [out] + [d.grad for d in dts]
+            errs = [((a.full_tensor() - b).abs().max() / b.abs().max()).item() for a, b in zip(got, wants)]
+            laid_out = all(tuple(t.placements) == tuple(placements) for t in got)
+            row = 2 * hkv * 8 * 8 * 2 // other  # one key row of K and V: B x Hkv x (E + Ev) float64s
+            full = (n - 1) * -(-seq // n) * row  # what allgather_kv receives (padded to the largest chunk)
+            results.append((strategy, kind, heads, seq, applies, max(errs), lse_err, laid_out, fwd.received(),
+                            row, full, misses))
+    return results
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (4,), (2, 2)], ids=["2", "4", "2x2"])
+def test_masked_attention_strategies(mesh_shape):
+    """Every strategy x {random boolean mask, with rows masked everywhere, sliding window below
+    and above the local length, 3 causal documents} x {MHA, GQA, MQA} x {even, uneven sequence}:
+    values and gradients as one process (rel 1e-9), layouts kept; mask_kv receives a window's
+    halo (at most the window's K/V, less than the whole K/V when the window is under the local
+    length) and reads each mask once."""
+    world = 1
+    for s in mesh_shape:
+        world *= s
+    per_rank = run_distributed(_run_masked, world, mesh_shape)
+    n = mesh_shape[-1]
+    ran = set()
+    for rank_results in per_rank:
+        for strategy, kind, heads, seq, applies, err, lse_err, laid_out, received, row, full, misses in rank_results:
+            case = (strategy, kind, heads, seq, mesh_shape)
+            assert err < 1e-9, (case, err)
+            assert lse_err < 1e-9, (case, lse_err)
+            if not applies:
+                continue
+            assert laid_out, case
+            ran.add((strategy, kind))
+            assert misses == (1 if strategy == "mask_kv" else 0), (case, misses)  # once per mask
+            if strategy == "mask_kv" and kind in WINDOW:
+                w = WINDOW[kind]
+                assert received <= 1.25 * w * row, (case, received, w * row)
+                if w <= seq // n:  # a halo of w - 1 rows, under the whole K/V
+                    assert received < full, (case, received, full)
+    assert {(s, k) for s in ("allgather_kv", "ring", "mask_kv") for k in MASKS} <= ran, ran
+    assert {("ulysses", k) for k in MASKS} <= ran
+
+
+def _compiled_masked():
+    """Under torch.compile(fullgraph=True): the ring with a document mask (a Replicate DTensor,
+    additive float (B, 1, L, S)) and ulysses with a sliding window, exact, no graph break; mask_kv
+    with a sliding window (plain boolean (L, S)) cannot read a traced mask, so it does not apply
+    (no table is read) and the call takes the rule's path, exact too."""
+    m = mesh((2,))
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 9, 8, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(2, 2, 9, 8, dtype=torch.float64, generator=g) for _ in range(2))
+    window = _window(9, 3) == 0  # boolean
+    docs = _mask("documents", 2, 4, 9, g)
+    docs = torch.zeros(docs.shape, dtype=torch.float64).masked_fill(~docs, float("-inf"))
+    errs, misses = [], attention_cp.mask_table_stats["misses"]
+    # (allgather_kv slices the mask as the ring does; each compile costs seconds)
+    for strategy, mask in (("ring", docs), ("ulysses", window), ("mask_kv", window)):
+        ref = [t.clone().requires_grad_() for t in (q, k, v)]
+        want = F.scaled_dot_product_attention(*ref, attn_mask=mask, enable_gqa=True)
+        want.sum().backward()
+        dmask = dtshard.distribute_tensor(mask, m, [Replicate()]) if mask is docs else mask
+        dts = [dtshard.distribute_tensor(t, m, [Shard(2)]).requires_grad_() for t in (q, k, v)]
+        fn = torch.compile(lambda a, b, c, msk: F.scaled_dot_product_attention(a, b, c, attn_mask=msk, enable_gqa=True),
+                           backend="aot_eager", fullgraph=True)
+        old = dtshard.config.attention_cp
+        dtshard.config.attention_cp = strategy
+        try:
+            out = fn(*dts, dmask)
+            out.sum().backward()
+        finally:
+            dtshard.config.attention_cp = old
+            torch._dynamo.reset()
+        errs.append(max(((a.full_tensor() - b).abs().max() / b.abs().max()).item()
+                        for a, b in zip([out] + [d.grad for d in dts], [want] + [r.grad for r in ref])))
+    return errs, attention_cp.mask_table_stats["misses"] - misses
+
+
+def test_compiled_fullgraph_with_masks():
+    for errs, misses in run_distributed(_compiled_masked, 2):
+        assert max(errs) < 1e-9, errs
+        assert misses == 0
+
+
+def _mask_reads_and_agreement():
+    """mask_kv reads an additive mask once across calls (a boolean one once per forward: F.sdpa
+    makes a new additive mask each call), again after an in-place write; the debug check
+    (config.attention_cp_check_masks) raises on masks that differ between ranks."""
+    m = mesh((2,))
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 2, 10, 8, dtype=torch.float64, generator=g) for _ in range(3))
+    dts = [dtshard.distribute_tensor(t, m, [Shard(2)]).requires_grad_() for t in (q, k, v)]
+    window = _window(10, 3)
+    old = dtshard.config.attention_cp
+    dtshard.config.attention_cp = "mask_kv"
+    reads = []
+    try:
+        for mask in (window, window == 0):
+            before = attention_cp.mask_table_stats["misses"]
+            for _ in range(2):
+                F.scaled_dot_product_attention(*dts, attn_mask=mask).sum().backward()
+            reads.append(attention_cp.mask_table_stats["misses"] - before)
+        before = attention_cp.mask_table_stats["misses"]
+        window[0, 1] = 0.0  # an in-place write: read again
+        F.scaled_dot_product_attention(*dts, attn_mask=window)
+        reads.append(attention_cp.mask_table_stats["misses"] - before)
+        dtshard.config.attention_cp_check_masks = True
+        F.scaled_dot_product_attention(*dts, attn_mask=window)  # the same on both ranks: fine
+        try:
+            F.scaled_dot_product_attention(*dts, attn_mask=_window(10, 3 + torch.distributed.get_rank()))
+            caught = ""
+        except ValueError as e:
+            caught = str(e)
+    finally:
+        dtshard.config.attention_cp = old
+        dtshard.config.attention_cp_check_masks = False
+    return reads, caught
+
+
+def test_mask_read_once_and_agreement_check():
+    for reads, caught in run_distributed(_mask_reads_and_agreement, 2):
+        assert reads == [1, 2, 1], reads  # additive: once for 2 calls; boolean: once a forward
+        assert "differs between the ranks" in caught and "(10, 10)" in caught, caught
