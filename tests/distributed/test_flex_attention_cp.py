@@ -239,3 +239,34 @@ def test_backward_raises():
         assert len(msgs) == 2, msgs
         assert "does not support backward on CPU" in msgs[0]
         assert "dtshard flex_attention: the backward" in msgs[1]
+
+
+def _compiled(world):
+    """torch.compile(fullgraph=True) (aot_eager: the traced graph holds the K/V gather and the local
+    block mask made from the wrapped mask_mod); and the known limit: through Dynamo a mod that
+    indexes a captured plain tensor raises dtshard's mixed-tensor error (Dynamo's example indices
+    for the mods are 0-d DTensors), never a wrong result."""
+    m = mesh((world,))
+    seq = 2 * world + 3
+    q, k, v = _inputs(seq, "gqa")
+    bm = create_block_mask(_window(3), None, None, seq, seq, device="cpu", BLOCK_SIZE=3)
+    with _no_dynamo(True):
+        want = flex_attention(q, k, v, score_mod=_relbias, block_mask=bm, enable_gqa=True)
+    dts = [dtshard.distribute_tensor(t, m, [Shard(2)]) for t in (q, k, v)]
+    f = torch.compile(lambda a, b, c: flex_attention(a, b, c, score_mod=_relbias, block_mask=bm, enable_gqa=True),
+                      fullgraph=True, backend="aot_eager")
+    out = f(*dts)
+    torch.testing.assert_close(out.full_tensor(), want, **TOL)
+    docs = create_block_mask(_doc_mask(_documents(seq)), 2, None, seq, seq, device="cpu")
+    try:
+        flex_attention(*dts, block_mask=docs, enable_gqa=True)
+        error = ""
+    except Exception as e:
+        error = str(e)
+    return tuple(map(str, out.placements)), "MixedTensorError" in error and "aten.index.Tensor" in error
+
+
+def test_compiled_fullgraph():
+    for placements, limit_raises in run_distributed(_compiled, 2, 2):
+        assert placements == ("S(2)",)
+        assert limit_raises
