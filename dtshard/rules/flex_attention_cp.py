@@ -39,6 +39,17 @@ Every other layout (different placements for q, k, v; Partial; heads or the embe
 strided shards) runs replicated: q, k and v are gathered whole, the HOP runs on them with the
 mods unchanged, and the outputs are laid out as q (Replicate where q is Partial).
 
+**Compiled.**  ``torch.compile(..., fullgraph=True)`` traces this implementation (checked with the
+``aot_eager`` backend in the tests, and by hand with ``inductor`` in float32: inductor's CPU
+FlexAttention takes float32/float16/bfloat16 only): K/V are gathered whole and the local block
+mask is made in the graph.  While Dynamo traces the call (always, since ``flex_attention`` runs
+through Dynamo even eagerly), the mods' example indices are 0-d DTensors (``query.new_empty``),
+so a mod that indexes a captured PLAIN tensor (``doc_ids[q_idx]``) raises dtshard's
+mixed-tensor error; write it with arithmetic on the indices, or call the HOP without Dynamo
+(``torch.nn.attention.flex_attention._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True``, the same
+kernel on CPU).  Dynamo's metadata run of the HOP (fake tensors, nothing recording) gets the
+output shapes without running anything.
+
 **Forward only.**  torch 2.13 has no FlexAttention backward on CPU: ``flex_attention`` raises
 "FlexAttention does not support backward on CPU" when an input requires grad.  The backward HOP
 (``flex_attention_backward``), reached only by calling the HOP directly, raises here instead of
