@@ -20,7 +20,11 @@ needed, each row sees every key it needs in one kernel call.  K and V travel wit
   sequence mesh dims (``handlers.to_local``, through the planner);
 - with a block mask, eagerly, each rank receives only the keys of the KV blocks its query blocks
   touch (``kv_num_blocks``/``kv_indices`` and ``full_kv_*`` of the global BlockMask at its query
-  blocks, for its batch rows), in one ``all_to_all`` of K and V packed together.  The block mask
+  blocks, for its batch rows), in one ``all_to_all`` of K and V packed together.  This trusts the
+  BlockMask's contract: a key in no listed block is masked (``create_block_mask``'s blocks cover
+  its ``mask_mod``; torch's compiled kernels skip unlisted blocks, while its eager CPU path
+  evaluates ``mask_mod`` everywhere).  A mask whose ``mask_mod`` is ``noop_mask``
+  (``BlockMask.from_kv_blocks`` without one), where the two readings differ most, gathers whole.  The block mask
   is the same on every rank (a plain tensor structure made for the global lengths), so every
   rank computes every rank's needs and the splits agree.  While tracing (``torch.compile``, and
   Dynamo's metadata run of the eager call) the block mask's values are unknown and K/V are
@@ -62,7 +66,7 @@ import torch
 from torch._higher_order_ops.flex_attention import flex_attention as flex_attention_hop
 from torch._higher_order_ops.flex_attention import flex_attention_backward as flex_attention_backward_hop
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
-from torch.nn.attention.flex_attention import create_block_mask
+from torch.nn.attention.flex_attention import create_block_mask, noop_mask
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
@@ -259,7 +263,7 @@ def flex_attention_dtensor(query, key, value, score_mod, block_mask, scale, kern
             lse = ql.new_empty(tuple(ql.shape[:3]), dtype=torch.float32)
             return _outputs(q, v, placements, ql.new_empty(tuple(ql.shape[:3]) + (v.shape[-1],)), lse, lse)
         kv_map = None
-        if seq and not mask.none and len(seq) == 1 and _concrete(ql):
+        if seq and not mask.none and len(seq) == 1 and mask.mask_mod is not noop_mask and _concrete(ql):
             need = needed_keys(mask, _chunks(q, seq[0]), (b0, b0 + shape[0]))
             if not bool(need.all()):
                 kl, vl, kv_map = _exchange(k, v, seq[0], need)
