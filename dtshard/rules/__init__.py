@@ -10,6 +10,7 @@ To add a rule see CONTRIBUTING.md: pick the family file, write a function of an 
 from dtshard.spatial import adaptive_pool  # noqa: F401,I001  (before misc: it has the real rules)
 from dtshard.rules import attention  # noqa: F401
 from dtshard.rules import attention_cp  # noqa: F401  (context parallelism: handlers before the attention rules)
+from dtshard.rules import flex_attention_cp  # noqa: F401  (the flex_attention HOP on DTensors)
 from dtshard.spatial import conv, pool  # noqa: F401  (spatial sharding through halo exchange)
 from dtshard.rules import (  # noqa: F401  (imported for their registrations)
     embedding,
