@@ -1,7 +1,8 @@
 """Context parallelism: attention on a sequence-sharded DTensor, as strategies chosen by cost.
 
-When ``q``, ``k`` and ``v`` are sharded alike with ``Shard(seq)`` (the sequence dim, ``-2``) on ONE
-mesh dim, the fused CPU attention kernel (``aten._scaled_dot_product_flash_attention_for_cpu`` and
+When ``q``, ``k`` and ``v`` are sharded alike with ``Shard(seq)`` or ``_StridedShard(seq)`` (the
+sequence dim, ``-2``) on ONE mesh dim, or with ``Shard(seq)`` on TWO (Ulysses x ring, below), the
+fused CPU attention kernel (``aten._scaled_dot_product_flash_attention_for_cpu`` and
 its backward, what ``F.scaled_dot_product_attention`` runs) is computed by one of these strategies;
 every other layout goes to the op's rule (``rules/attention.py``) unchanged.  The outputs keep the
 query's layout (``out`` and ``logsumexp`` sequence-sharded), whatever strategy ran, so the backward
@@ -9,10 +10,16 @@ query's layout (``out`` and ``logsumexp`` sequence-sharded), whatever strategy r
 
 - **allgather_kv**: K and V are gathered along the sequence, each with its OWN heads (grouped-query
   and multi-query attention move ``Hkv`` heads, never the repeated ones), and each rank attends its
-  own query rows to them.  Causal attention needs the rank's position in the sequence, which a rule
-  cannot see: the keys split into a block before the rank's first query row (wholly visible, no
-  mask) and the diagonal block (causal, top-left aligned, as the kernel is); blocks after the
-  rank's rows are wholly masked and never computed.  The blocks' partial results merge through
+  own query rows to them.  Causal attention needs the rank's positions in the sequence, which a
+  rule cannot see: row by row a causal query sees a PREFIX of any key block (keys are held in
+  position order), so the rows split into segments that see a fixed prefix (one call, no mask) or
+  one more key per row (a wholly visible part and a top-left-aligned causal part), from the
+  layout's runs of positions (:func:`_segments`); keys after a row are never computed.  A plain
+  ``Shard`` is one run (the visible block and the diagonal); the striped layout
+  ``_StridedShard(seq, split_factor=S/n)`` (rank ``r`` holds tokens ``r, r+n, ...``) is one
+  causal call per block, and every rank computes about the same number of (query, key) pairs
+  (a plain ``Shard``'s last rank computes ``2n-1`` times its first's); smaller split factors
+  stripe blocks of tokens (one call per block of rows).  The blocks' partial results merge through
   their log-sum-exp, in float32 for low-precision inputs.  Backward: each block's gradients from
   the kernel with the GLOBAL output and log-sum-exp (the slice of the full softmax), ``dq`` summed
   over blocks, ``dk``/``dv`` for every key (zeros past the rank's rows) reduced to their owners
@@ -35,7 +42,12 @@ query's layout (``out`` and ``logsumexp`` sequence-sharded), whatever strategy r
   with the reverse all_to_all and are summed in (index_add).  A sliding window of ``w`` keys is a
   halo (about ``w`` rows from the predecessors); a document mask brings only the documents that
   overlap the rank's rows.  Received per rank, forward: the rows the table says, the most over
-  the ranks as the cost.
+  the ranks as the cost.  Plain ``Shard`` layouts only.
+- **Ulysses x ring** (the sequence on two mesh dims ``(i0, i1)``, heads divisible by ``i1``'s
+  size): q, k, v move their ``i1`` shards from the sequence to the heads (Ulysses, one all_to_all
+  each), the call runs again with the sequence on ``i0`` alone (any strategy above, by cost, the
+  heads staying sharded on ``i1``), and the results move back.  Ulysses' traffic stays inside the
+  inner (fast) group; the outer groups pass K/V blocks of ``Hkv/n1`` heads.
 
 **Masks.**  Every strategy takes an attention mask that every rank holds whole and identical: a
 plain tensor or a DTensor replicated on every mesh dim (its local tensor), additive in q's dtype
@@ -63,12 +75,13 @@ over the mesh).
 
 The cost (``_bytes``) is the bytes a rank receives in the forward, from global shapes and the
 mask's table only (the same on every rank, so every rank takes the same strategy);
-``config.attention_cp`` forces one where it applies.  Not here yet (issue #30): FlexAttention,
-strided (load-balanced) causal layouts, which go to the rule, and Ulysses x ring on two mesh dims.
+``config.attention_cp`` forces one where it applies.  Masks with strided layouts go to the rule.
+FlexAttention: ``rules/flex_attention_cp.py``.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import weakref
 from collections import OrderedDict
@@ -76,7 +89,7 @@ from collections import OrderedDict
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch._subclasses.fake_tensor import is_fake
-from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 
 from dtshard import collectives as C
 from dtshard._config import config
@@ -108,16 +121,46 @@ def _seq_mesh_dim(q, k, v) -> int | None:
     seq = q.dim() - 2
     found = None
     for i, p in enumerate(sq.placements):
-        if type(p) is Shard and p.dim == seq:
+        if (type(p) is Shard or type(p) is _StridedShard) and p.dim == seq:
             if found is not None:
-                return None
+                return None  # two mesh dims: Ulysses x ring (_usp_dims)
             found = i
         elif type(p) is Shard:
-            if not (p.dim < seq and q.shape[p.dim] == k.shape[p.dim] == v.shape[p.dim]):
-                return None
+            n = sq.mesh_shape[i]
+            if not (p.dim < seq and (q.shape[p.dim] == k.shape[p.dim] == v.shape[p.dim] or (
+                    p.dim == seq - 1 and q.shape[p.dim] % n == 0 and k.shape[p.dim] % n == 0
+                    and k.shape[p.dim] == v.shape[p.dim]))):
+                return None  # (heads of grouped-query attention: only chunks that line up)
         elif type(p) is not Replicate:
-            return None  # Partial or strided: the rule's path
+            return None  # Partial, or another dim strided: the rule's path
     return found
+
+
+def _usp_dims(q, k, v) -> tuple[int, int] | None:
+    """Ulysses x ring: the sequence sharded (plain ``Shard``) on exactly two mesh dims ``(i0,
+    i1)`` of q, k, v alike, every other mesh dim replicating or sharding the batch, and the query
+    and key/value heads divisible by the inner dim's size: the inner dim's sequence shards move to
+    heads (Ulysses), and the outer dim runs a single-dim strategy on what is left."""
+    if not (type(q) is DTensor and type(k) is DTensor and type(v) is DTensor) or q.dim() < 3:
+        return None
+    sq = q._spec
+    if not (sq.mesh is k._spec.mesh is v._spec.mesh and sq.placements == k._spec.placements == v._spec.placements):
+        return None
+    if sq.extra is not None or k._spec.extra is not None or v._spec.extra is not None or not C.is_member(sq.mesh):
+        return None
+    seq = q.dim() - 2
+    dims = [i for i, p in enumerate(sq.placements) if type(p) is Shard and p.dim == seq]
+    if len(dims) != 2:
+        return None
+    for i, p in enumerate(sq.placements):
+        if i in dims or type(p) is Replicate:
+            continue
+        if not (type(p) is Shard and p.dim < seq - 1 and q.shape[p.dim] == k.shape[p.dim] == v.shape[p.dim]):
+            return None
+    n1 = sq.mesh_shape[dims[1]]
+    if q.shape[seq - 1] % n1 or k.shape[seq - 1] % n1 or k.shape[seq - 1] != v.shape[seq - 1]:
+        return None
+    return dims[0], dims[1]
 
 
 def _bytes(strategy: str, q, k, v, mesh_dim: int, mask=None) -> float | None:
@@ -200,7 +243,7 @@ def _spec_like(t, placements, shape=None, dtype=None):
 
 
 def _rows(q, mesh_dim: int) -> tuple[int, int]:
-    """This rank's query rows ``[start, stop)`` of the global sequence."""
+    """This rank's query rows ``[start, stop)`` of the global sequence (a plain ``Shard``)."""
     spec = q._spec
     coord = C.mesh_coordinate(spec.mesh)
     shape, offset = spec.local_shape_and_offset(coord)
@@ -208,21 +251,90 @@ def _rows(q, mesh_dim: int) -> tuple[int, int]:
     return offset[seq], offset[seq] + shape[seq]
 
 
-def _pieces(start: int, stop: int, a: int, b: int, causal: bool):
-    """How query rows ``[start, stop)`` attend to keys ``[a, b)`` (global indices): a list of
-    ``(row, key_from, key_to, causal)``, from local row ``row`` on, keys relative to ``a``.  Causal:
-    keys before the rows are wholly visible (no mask); the diagonal part pairs rows and keys from
-    the same global index on (top-left aligned, as the kernel is); keys after the rows are masked
-    and never computed."""
+def _runs(t, mesh_dim: int, rank: int | None = None) -> tuple:
+    """The global sequence positions a rank holds of ``t``, as ``[lo, hi)`` runs in local order
+    (one run for a plain ``Shard``; a strided shard holds one per chunk): this rank's, or with
+    ``rank`` the one at that coordinate of ``mesh_dim`` (this rank's other coordinates)."""
+    spec = t._spec
+    coord = list(C.mesh_coordinate(spec.mesh))
+    if rank is not None:
+        coord[mesh_dim] = rank
+    return tuple(spec.local_region(coord)[t.dim() - 2])
+
+
+def _length(runs) -> int:
+    return sum(hi - lo for lo, hi in runs)
+
+
+#: attention work per call, for the load-balance test: (query, key) pairs the kernel computes
+work_stats = {"pairs": 0}
+
+
+def _segments(rows, keys, causal: bool) -> list[tuple[int, int, int, int]]:
+    """How query rows attend a block of keys, both given as runs of global positions in local
+    order: ``(r0, r1, c0, cap)`` row segments (local rows ``[r0, r1)``) where row ``r`` attends
+    the first ``min(c0 + r - r0, cap)`` local keys (keys sorted by position, so causal attention
+    always sees a prefix of a block).  Without ``causal`` one segment of every key.  Rows that
+    see no key are left out.  From metadata only (the same on every rank)."""
+    nk = _length(keys)
+    nr = _length(rows)
     if not causal:
-        return [(0, 0, b - a, False)] if b > a else []
+        return [(0, nr, nk, nk)] if nr and nk else []
+    starts = [lo for lo, _ in keys]
+    cum = [0]
+    for lo, hi in keys:
+        cum.append(cum[-1] + hi - lo)
+    pieces = []  # (r0, r1, keys seen by row r0, slope 0 or 1)
+    r = 0
+    for lo, hi in rows:
+        g = lo
+        while g < hi:
+            idx = bisect.bisect_right(starts, g) - 1
+            if idx >= 0 and g < keys[idx][1]:  # inside a key run: one more key per row
+                end = min(hi, keys[idx][1])
+                pieces.append((r + g - lo, r + end - lo, cum[idx] + g - keys[idx][0] + 1, 1))
+            else:  # between key runs: the same keys for every row
+                end = min(hi, starts[idx + 1]) if idx + 1 < len(starts) else hi
+                pieces.append((r + g - lo, r + end - lo, cum[idx + 1], 0))
+            g = end
+        r += hi - lo
+    segs: list[list[int]] = []
+    for r0, r1, c, slope in pieces:
+        if c == 0 and slope == 0:
+            continue
+        if c == 0:  # the run's first row sees nothing yet
+            r0, c = r0 + 1, 1
+            if r0 == r1:
+                continue
+        cur = segs[-1] if segs else None
+        if cur is not None and cur[1] == r0 and cur[3] is None and c == cur[2] + r0 - cur[0]:
+            if slope == 1 or r1 - r0 == 1:
+                cur[1] = r1  # the diagonal goes on
+                continue
+            cur[1], cur[3] = r1, c  # the diagonal reaches its last key: capped from here
+            continue
+        if cur is not None and cur[1] == r0 and cur[3] is not None and slope == 0 and c == cur[3]:
+            cur[1] = r1
+            continue
+        segs.append([r0, r1, c, None if slope == 1 or r1 - r0 == 1 else c])
+    return [(r0, r1, c0, cap if cap is not None else c0 + r1 - r0 - 1) for r0, r1, c0, cap in segs]
+
+
+def _calls(rows, keys, causal: bool):
+    """The kernel calls of :func:`_segments`: ``(r0, r1, k0, k1, causal)`` in local indices (a
+    wholly visible part, and a top-left-aligned causal part where the rows' keys grow)."""
     out = []
-    visible = min(b, start)
-    if visible > a:
-        out.append((0, 0, visible - a, False))
-    d0, d1 = max(a, start), min(b, stop)
-    if d1 > d0:
-        out.append((d0 - start, d0 - a, d1 - a, True))
+    for r0, r1, c0, cap in _segments(rows, keys, causal):
+        if cap == c0:
+            out.append((r0, r1, 0, c0, False))
+            work_stats["pairs"] += (r1 - r0) * c0
+            continue
+        if c0 > 1:
+            out.append((r0, r1, 0, c0 - 1, False))
+            work_stats["pairs"] += (r1 - r0) * (c0 - 1)
+        out.append((r0, r1, c0 - 1, cap, True))
+        width = cap - c0 + 1
+        work_stats["pairs"] += sum(min(t + 1, width) for t in range(r1 - r0))
     return out
 
 
@@ -240,59 +352,66 @@ class _Merge:
         self.lse = ql.new_full(tuple(ql.shape[:-1]), float("-inf"), dtype=acc)
 
     def add(self, row: int, o, lse) -> None:
-        old = self.lse[..., row:]
+        """Merge a call's ``(out, logsumexp)`` for the rows ``[row, row + its rows)``."""
+        end = row + o.shape[-2]
+        old = self.lse[..., row:end]
         lse = lse.to(old.dtype)
         new = torch.logaddexp(old, lse)
         ref = new.masked_fill(new == float("-inf"), 0.0)  # no key yet: both weights exp(-inf) = 0
-        acc = self.out[..., row:, :]
+        acc = self.out[..., row:end, :]
         acc.mul_(torch.exp(old - ref).unsqueeze(-1)).add_(o.to(acc.dtype) * torch.exp(lse - ref).unsqueeze(-1))
-        self.lse[..., row:] = new
+        self.lse[..., row:end] = new
 
     def result(self):
         lse = self.lse.masked_fill(self.lse == float("-inf"), 0.0)
         return self.out.to(self.dtype), lse.to(self.lse_dtype)
 
 
-def _forward_block(op, merge, ql, kb, vb, a, b, start, stop, causal, scale, mask=None) -> None:
-    """Rows ``[start, stop)`` (``ql``) attended to the key block ``[a, b)`` (``kb``, ``vb``);
-    ``mask``: this rank's mask (all query rows and keys, see :func:`_local_mask`) or None."""
-    for row, k0, k1, c in _pieces(start, stop, a, b, causal):
+def _forward_block(op, merge, ql, kb, vb, rows, keys, causal, scale, mask=None) -> None:
+    """This rank's query rows (``ql``, at the global positions ``rows``) attended to a key block
+    (``kb``, ``vb`` at ``keys``), both as runs (:func:`_runs`); ``mask``: this rank's mask (all
+    query rows and keys, see :func:`_local_mask`; only with single runs) or None."""
+    for r0, r1, k0, k1, c in _calls(rows, keys, causal):
         if mask is None:
-            o, lse = op(ql[..., row:, :], kb[..., k0:k1, :], vb[..., k0:k1, :], 0.0, c, scale=scale)
+            o, lse = op(ql[..., r0:r1, :], kb[..., k0:k1, :], vb[..., k0:k1, :], 0.0, c, scale=scale)
         else:
-            mb = _mask_block(mask, start + row, stop, (a + k0, a + k1))
-            o, lse = op(ql[..., row:, :], kb[..., k0:k1, :], vb[..., k0:k1, :], 0.0, c, attn_mask=mb, scale=scale)
+            (start, _), (a, _) = rows[0], keys[0]
+            mb = _mask_block(mask, start + r0, start + r1, (a + k0, a + k1))
+            o, lse = op(ql[..., r0:r1, :], kb[..., k0:k1, :], vb[..., k0:k1, :], 0.0, c, attn_mask=mb, scale=scale)
             dead = _dead_rows(mb)
             o, lse = o.masked_fill(dead.unsqueeze(-1), 0.0), lse.masked_fill(dead, float("-inf"))
-        merge.add(row, o, lse)
+        merge.add(r0, o, lse)
 
 
-def _backward_block(op, grads, gl, ql, kb, vb, outl, lsel, a, b, start, stop, causal, scale, mask=None):
-    """The gradients of rows ``[start, stop)`` against the key block ``[a, b)``: the kernel's
-    backward with the GLOBAL output and log-sum-exp (each block's slice of the full softmax; a
-    masked entry's probability ``exp(-inf - lse)`` is 0), added into ``grads = (dq, dk_block,
-    dv_block)``."""
+def _backward_block(op, grads, gl, ql, kb, vb, outl, lsel, rows, keys, causal, scale, mask=None):
+    """The gradients of this rank's rows against a key block (runs as in
+    :func:`_forward_block`): the kernel's backward with the GLOBAL output and log-sum-exp (each
+    block's slice of the full softmax; a masked entry's probability ``exp(-inf - lse)`` is 0),
+    added into ``grads = (dq, dk_block, dv_block)``."""
     dq, dk, dv = grads
-    for row, k0, k1, c in _pieces(start, stop, a, b, causal):
-        extra = {} if mask is None else {"attn_mask": _mask_block(mask, start + row, stop, (a + k0, a + k1))}
-        gq, gk, gv = op(gl[..., row:, :], ql[..., row:, :], kb[..., k0:k1, :], vb[..., k0:k1, :],
-                        outl[..., row:, :], lsel[..., row:], 0.0, c, scale=scale, **extra)
-        dq[..., row:, :].add_(gq)
+    for r0, r1, k0, k1, c in _calls(rows, keys, causal):
+        extra = {}
+        if mask is not None:
+            (start, _), (a, _) = rows[0], keys[0]
+            extra = {"attn_mask": _mask_block(mask, start + r0, start + r1, (a + k0, a + k1))}
+        gq, gk, gv = op(gl[..., r0:r1, :], ql[..., r0:r1, :], kb[..., k0:k1, :], vb[..., k0:k1, :],
+                        outl[..., r0:r1, :], lsel[..., r0:r1], 0.0, c, scale=scale, **extra)
+        dq[..., r0:r1, :].add_(gq)
         dk[..., k0:k1, :].add_(gk)
         dv[..., k0:k1, :].add_(gv)
 
 
-def _chunks(t, mesh_dim: int) -> list[tuple[int, int]]:
-    """``[start, stop)`` of every rank's chunk of ``t``'s sequence along ``mesh_dim`` (the ranks
-    that share this rank's other coordinates), from metadata."""
-    spec = t._spec
-    coord = list(C.mesh_coordinate(spec.mesh))
-    seq = t.dim() - 2
+def _chunks(t, mesh_dim: int) -> list[tuple]:
+    """Every rank's runs (:func:`_runs`) of ``t``'s sequence along ``mesh_dim`` (the ranks that
+    share this rank's other coordinates), from metadata."""
+    return [_runs(t, mesh_dim, r) for r in range(t._spec.mesh_shape[mesh_dim])]
+
+
+def _chunk_ranges(t, mesh_dim: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of every rank's chunk of a plain ``Shard`` sequence along ``mesh_dim``."""
     out = []
-    for r in range(spec.mesh_shape[mesh_dim]):
-        coord[mesh_dim] = r
-        shape, offset = spec.local_shape_and_offset(coord)
-        out.append((offset[seq], offset[seq] + shape[seq]))
+    for runs in _chunks(t, mesh_dim):
+        out.append((runs[0][0], runs[-1][1]) if runs else (0, 0))
     return out
 
 
@@ -456,7 +575,7 @@ def _mask_table(mask, q, k, mesh_dim: int) -> _MaskTable:
     """The table of ``mask`` for this call's chunks, computed once per mask: cached by the
     tensor's identity (a weak reference, so a dead mask's id reused by a new one never hits),
     version counter (an in-place write reads it again), storage and layout, and the chunks."""
-    q_chunks, k_chunks = tuple(_chunks(q, mesh_dim)), tuple(_chunks(k, mesh_dim))
+    q_chunks, k_chunks = tuple(_chunk_ranges(q, mesh_dim)), tuple(_chunk_ranges(k, mesh_dim))
     key = (id(mask), mask._version, mask.data_ptr(), tuple(mask.shape), tuple(mask.stride()), q_chunks, k_chunks)
     hit = _MASK_TABLES.get(key)
     if hit is not None and hit[0]() is mask:
@@ -496,6 +615,11 @@ def _exchange_rows(x, send_idx, send_counts, recv_counts, mesh, mesh_dim: int):
 def sdpa_context_parallel(op, args, kwargs):
     """Forward attention on sequence-sharded q, k, v (see the module docstring)."""
     q, k, v, dropout_p, is_causal, attn_mask, scale = bind(op, args, kwargs)
+    usp = _usp_dims(q, k, v) if not dropout_p and attn_mask is None else None
+    if usp is not None:
+        with op_context(op):
+            o, lse = op(*_to_heads(usp, q, k, v), 0.0, bool(is_causal), scale=scale)  # one sequence dim left
+            return tuple(_from_heads(t, q._spec.placements) for t in (o, lse))
     i = _seq_mesh_dim(q, k, v) if not dropout_p else None
     i, mask = _with_mask(op, i, attn_mask, q, k, is_causal)
     strategy = None if i is None else choose_strategy(q, k, v, i, mask)
@@ -516,21 +640,20 @@ def sdpa_context_parallel(op, args, kwargs):
             o, lse = _mask_kv_forward(op, q, k, v, mask, ml, i, scale, lse_dtype)
         else:
             ql = q._local_tensor
-            start, stop = _rows(q, i)
+            rows = _runs(q, i)
             merge = _Merge(ql, v.shape[-1], lse_dtype)
             if strategy == "allgather_kv":
                 full = _with(placements, i, Replicate())
                 kl, vl = to_local(k, full), to_local(v, full)
-                if stop > start:
-                    _forward_block(op, merge, ql, kl, vl, 0, k.shape[-2], start, stop, causal, scale, ml)
+                _forward_block(op, merge, ql, kl, vl, rows, ((0, k.shape[-2]),), causal, scale, ml)
             else:
-                _ring_forward(op, merge, q, k, v, i, start, stop, causal, scale, ml)
+                _ring_forward(op, merge, q, k, v, i, rows, causal, scale, ml)
             o, lse = merge.result()
         return (wrap(o, _spec_like(q, placements, out_shape)),
                 wrap(lse, _spec_like(q, placements, out_shape[:-1], lse.dtype)))
 
 
-def _ring_forward(op, merge, q, k, v, i, start, stop, causal, scale, mask=None) -> None:
+def _ring_forward(op, merge, q, k, v, i, rows, causal, scale, mask=None) -> None:
     """Pass K/V around the ring: at step ``t`` this rank holds the block of rank ``me - t`` and
     computes with it while the next block travels (issued before the compute, waited after)."""
     n, me = q._spec.mesh_shape[i], C.mesh_coordinate(q._spec.mesh)[i]
@@ -540,11 +663,8 @@ def _ring_forward(op, merge, q, k, v, i, start, stop, causal, scale, mask=None) 
         src = (me - t) % n
         pending = None
         if t < n - 1:
-            a, b = chunks[(me - t - 1) % n]
-            pending = _shift(blocks, b - a, q._spec.mesh, i, n, me)
-        a, b = chunks[src]
-        if stop > start:
-            _forward_block(op, merge, q._local_tensor, blocks[0], blocks[1], a, b, start, stop, causal, scale, mask)
+            pending = _shift(blocks, _length(chunks[(me - t - 1) % n]), q._spec.mesh, i, n, me)
+        _forward_block(op, merge, q._local_tensor, blocks[0], blocks[1], rows, chunks[src], causal, scale, mask)
         if pending is not None:
             blocks = _arrived(pending)
 
@@ -557,6 +677,12 @@ def _lse_dtype(dtype):
 def sdpa_context_parallel_backward(op, args, kwargs):
     """Backward of :func:`sdpa_context_parallel` (chooses its strategy again; each is exact)."""
     g, q, k, v, out, lse, dropout_p, is_causal, attn_mask, scale = bind(op, args, kwargs)
+    usp = _usp_dims(q, k, v) if not dropout_p and attn_mask is None else None
+    if usp is not None and all(type(t) is DTensor and t._spec.placements == q._spec.placements
+                               and t._spec.mesh is q._spec.mesh and t._spec.extra is None for t in (g, out, lse)):
+        with op_context(op):
+            grads = op(*_to_heads(usp, g, q, k, v, out, lse), 0.0, bool(is_causal), scale=scale)
+            return tuple(_from_heads(t, q._spec.placements) for t in grads)
     i = _seq_mesh_dim(q, k, v) if not dropout_p else None
     if i is not None and not all(type(t) is DTensor and t._spec.placements == q._spec.placements
                                  and t._spec.mesh is q._spec.mesh and t._spec.extra is None for t in (g, out, lse)):
@@ -578,26 +704,25 @@ def sdpa_context_parallel_backward(op, args, kwargs):
             dq, dk, dv = _mask_kv_backward(op, g, q, k, v, out, lse, mask, ml, i, scale)
             return (wrap(dq, _spec_like(q, placements)), wrap(dk, _spec_like(k, placements)),
                     wrap(dv, _spec_like(v, placements)))
-        start, stop = _rows(q, i)
+        rows = _runs(q, i)
         local = [t._local_tensor for t in (g, q, out, lse)]
         dq = torch.zeros_like(q._local_tensor)
         if strategy == "allgather_kv":
             full = _with(placements, i, Replicate())
             kl, vl = to_local(k, full), to_local(v, full)
             dk, dv = torch.zeros_like(kl), torch.zeros_like(vl)
-            if stop > start:
-                _backward_block(op, (dq, dk, dv), local[0], local[1], kl, vl, local[2], local[3], 0, k.shape[-2],
-                                start, stop, causal, scale, ml)
+            _backward_block(op, (dq, dk, dv), local[0], local[1], kl, vl, local[2], local[3], rows,
+                            ((0, k.shape[-2]),), causal, scale, ml)
             partial = _with(placements, i, Partial("sum"))
             dk = to_local(wrap(dk, _spec_like(k, partial)), placements)  # one reduce_scatter each
             dv = to_local(wrap(dv, _spec_like(v, partial)), placements)
         else:
-            dk, dv = _ring_backward(op, dq, local, k, v, i, start, stop, causal, scale, ml)
+            dk, dv = _ring_backward(op, dq, local, k, v, i, rows, causal, scale, ml)
         return (wrap(dq, _spec_like(q, placements)), wrap(dk, _spec_like(k, placements)),
                 wrap(dv, _spec_like(v, placements)))
 
 
-def _ring_backward(op, dq, local, k, v, i, start, stop, causal, scale, mask=None):
+def _ring_backward(op, dq, local, k, v, i, rows, causal, scale, mask=None):
     """K/V travel the ring as in the forward, each with its gradient accumulator, which every
     rank adds its rows' contribution to; after the last step one more shift takes each
     accumulator home.  Returns this rank's ``(dk, dv)``."""
@@ -610,18 +735,32 @@ def _ring_backward(op, dq, local, k, v, i, start, stop, causal, scale, mask=None
         src = (me - t) % n
         pending = None
         if t < n - 1:
-            a, b = chunks[(me - t - 1) % n]
-            pending = _shift([kb, vb], b - a, k._spec.mesh, i, n, me)
-        a, b = chunks[src]
-        if stop > start:
-            _backward_block(op, (dq, dk, dv), g, ql, kb, vb, outl, lsel, a, b, start, stop, causal, scale, mask)
+            pending = _shift([kb, vb], _length(chunks[(me - t - 1) % n]), k._spec.mesh, i, n, me)
+        _backward_block(op, (dq, dk, dv), g, ql, kb, vb, outl, lsel, rows, chunks[src], causal, scale, mask)
         # the accumulators follow their blocks (the last shift takes them to their owners)
-        a, b = chunks[(me - t - 1) % n]
-        grads = _arrived(_shift([dk, dv], b - a, k._spec.mesh, i, n, me))
+        grads = _arrived(_shift([dk, dv], _length(chunks[(me - t - 1) % n]), k._spec.mesh, i, n, me))
         if pending is not None:
             kb, vb = _arrived(pending)
         dk, dv = grads
     return dk, dv
+
+
+def _to_heads(usp, *ts):
+    """Ulysses on the inner of the two sequence mesh dims: each tensor's shards of that dim move
+    from the sequence to the heads (one all_to_all each; q, k, v, out, lse have their heads at
+    dim ``-3`` or, for the 3-D log-sum-exp, ``-2``), as DTensors the single-dim strategies take."""
+    i0, i1 = usp
+    out = []
+    for t in ts:
+        heads = t.dim() - 3 if t.dim() >= 4 else t.dim() - 2
+        target = _with(t._spec.placements, i1, Shard(heads))
+        out.append(wrap(to_local(t, target), _spec_like(t, target)))
+    return out
+
+
+def _from_heads(t, placements):
+    """The inverse of :func:`_to_heads` for one result: back to the sequence on both mesh dims."""
+    return wrap(to_local(t, placements), _spec_like(t, placements))
 
 
 def _with_mask(op, i, attn_mask, q, k, is_causal):
@@ -629,6 +768,8 @@ def _with_mask(op, i, attn_mask, q, k, is_causal):
     mask is one every strategy takes (:func:`_whole_mask`), else None (the rule's path)."""
     if i is None or attn_mask is None:
         return i, None
+    if q._spec.has_strided:
+        return None, None  # masks are sliced by row ranges: the rule's path
     mask = _whole_mask(attn_mask, q, k, is_causal)
     if mask is None:
         return None, None

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 import dtshard
 from dtshard import Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from dtshard.debug import CommCounter
 from dtshard.rules import attention_cp
 from dtshard.testing import run_distributed
@@ -397,3 +398,132 @@ def test_mask_read_once_and_agreement_check():
     for reads, caught in run_distributed(_mask_reads_and_agreement, 2):
         assert reads == [1, 2, 1], reads  # additive: once for 2 calls; boolean: once a forward
         assert "differs between the ranks" in caught and "(10, 10)" in caught, caught
+
+
+# --- load-balanced (striped) causal layouts, and Ulysses x ring on two mesh dims -----------------
+
+
+def _errs(out, dts, want, ref):
+    return max(((a.full_tensor() - b).abs().max() / b.abs().max()).item()
+               for a, b in zip([out] + [d.grad for d in dts], [want] + [r.grad for r in ref]))
+
+
+def _striped_and_usp():
+    """On 4 ranks: q, k, v laid out ``_StridedShard(2, split_factor=sf)`` (the striped layout:
+    ``sf = S / 4`` gives rank ``r`` the tokens ``r, r + 4, ...``; a smaller ``sf`` stripes
+    blocks), through allgather_kv and the ring, causal (also with kv_len != q_len) and not: the
+    values and gradients of one process, the layout kept, and the (query, key) pairs each rank's
+    kernel calls compute.  On a 2x2 mesh, the sequence sharded on both mesh dims: Ulysses on the
+    inner dim x each single-dim strategy on the outer one."""
+    g = torch.Generator().manual_seed(11)
+    rows = []
+    m = mesh((4,))
+    for seq, sf, masking, heads, strategy in itertools.product(
+            (32, 35), ("tokens", 4), ("causal", "causal_kv", "none"), ("mha", "gqa"), ("allgather_kv", "ring")):
+        if seq % 4 and sf == "tokens":
+            continue  # token striping needs S divisible by the ranks (each chunk one token a rank)
+        split = seq // 4 if sf == "tokens" else sf
+        h, hkv = HEADS[heads]
+        kv_seq = seq + 4 if masking == "causal_kv" else seq
+        causal = masking != "none"
+        q = torch.randn(1, h, seq, 8, generator=g, dtype=torch.float64)
+        k, v = (torch.randn(1, hkv, kv_seq, 8, generator=g, dtype=torch.float64) for _ in range(2))
+        go = torch.randn(1, h, seq, 8, generator=g, dtype=torch.float64)
+        ref = [t.clone().requires_grad_() for t in (q, k, v)]
+        want = F.scaled_dot_product_attention(*ref, is_causal=causal, enable_gqa=hkv != h)
+        want.backward(go)
+        layout = [_StridedShard(2, split_factor=split)]
+        dts = [dtshard.distribute_tensor(t, m, layout).requires_grad_() for t in (q, k, v)]
+        old = dtshard.config.attention_cp
+        dtshard.config.attention_cp = strategy
+        try:
+            attention_cp.work_stats["pairs"] = 0
+            with CommCounter() as fwd:
+                out = F.scaled_dot_product_attention(*dts, is_causal=causal, enable_gqa=hkv != h)
+            work = attention_cp.work_stats["pairs"]
+            out.backward(dtshard.distribute_tensor(go, m, layout))
+        finally:
+            dtshard.config.attention_cp = old
+        kinds = {kind: fwd.count(kind) for kind in fwd.kinds()}
+        rows.append(("striped", seq, sf, masking, heads, strategy, _errs(out, dts, want, ref),
+                     tuple(out.placements) == tuple(layout) and all(tuple(d.grad.placements) == tuple(layout)
+                                                                 for d in dts), work, kinds))
+    m2 = mesh((2, 2))
+    for seq, masking, heads, strategy in itertools.product((8, 11), ("causal", "none"), ("mha", "gqa"),
+                                                            ("auto", "allgather_kv", "ring")):
+        h, hkv = HEADS[heads]
+        causal = masking != "none"
+        q = torch.randn(2, h, seq, 8, generator=g, dtype=torch.float64)
+        k, v = (torch.randn(2, hkv, seq, 8, generator=g, dtype=torch.float64) for _ in range(2))
+        go = torch.randn(2, h, seq, 8, generator=g, dtype=torch.float64)
+        ref = [t.clone().requires_grad_() for t in (q, k, v)]
+        want = F.scaled_dot_product_attention(*ref, is_causal=causal, enable_gqa=hkv != h)
+        want.backward(go)
+        layout = [Shard(2), Shard(2)]
+        dts = [dtshard.distribute_tensor(t, m2, layout).requires_grad_() for t in (q, k, v)]
+        old = dtshard.config.attention_cp
+        dtshard.config.attention_cp = strategy
+        try:
+            with CommCounter() as fwd:
+                out = F.scaled_dot_product_attention(*dts, is_causal=causal, enable_gqa=hkv != h)
+            out.backward(dtshard.distribute_tensor(go, m2, layout))
+        finally:
+            dtshard.config.attention_cp = old
+        kinds = sorted({(r.kind, r.mesh_dim) for r in fwd.records})
+        rows.append(("usp", seq, None, masking, heads, strategy, _errs(out, dts, want, ref),
+                     tuple(out.placements) == tuple(layout), None, kinds))
+    return rows
+
+
+def test_striped_causal_layouts_balance_the_work_and_usp_on_two_mesh_dims():
+    per_rank = run_distributed(_striped_and_usp, 4, timeout=300)
+    for rank, rows in enumerate(per_rank):
+        for kind, seq, sf, masking, heads, strategy, err, kept, work, kinds in rows:
+            case = f"rank {rank}: {kind} S={seq} sf={sf} {masking} {heads} {strategy}"
+            assert err < 1e-9, f"{case}: rel error {err:.2e}"
+            assert kept, f"{case}: the layout was not kept"
+            if kind == "usp":
+                # Ulysses' all_to_alls on the inner mesh dim, the outer dim's strategy on dim 0
+                assert ("all_to_all", 1) in kinds and any(d == 0 for _, d in kinds), (case, kinds)
+                assert all(d in (0, 1) for _, d in kinds), (case, kinds)
+    # causal work per rank: the striped layouts within 1.25x of the mean (a plain Shard's last
+    # rank does 1.73x the mean on this shape: rows 24-31 against 0-31)
+    for i, row in enumerate(per_rank[0]):
+        kind, seq, sf, masking = row[:4]
+        if kind != "striped" or masking != "causal" or seq % 4:
+            continue
+        works = [per_rank[r][i][8] for r in range(4)]
+        mean = sum(works) / 4
+        assert max(works) <= 1.25 * mean, (row[:6], works)
+
+
+def _compiled_layouts():
+    """torch.compile(fullgraph=True) of a causal call on the striped layout (ring) and on the
+    sequence sharded over both dims of a 2x2 mesh (Ulysses x allgather): one process's values."""
+    g = torch.Generator().manual_seed(5)
+    errs = []
+    for layout_mesh, layout, strategy in (((4,), [_StridedShard(2, split_factor=4)], "ring"),
+                                          ((2, 2), [Shard(2), Shard(2)], "auto")):
+        q = torch.randn(2, 4, 16, 8, dtype=torch.float64, generator=g)
+        k, v = (torch.randn(2, 2, 16, 8, dtype=torch.float64, generator=g) for _ in range(2))
+        ref = [t.clone().requires_grad_() for t in (q, k, v)]
+        want = F.scaled_dot_product_attention(*ref, is_causal=True, enable_gqa=True)
+        want.sum().backward()
+        dts = [dtshard.distribute_tensor(t, mesh(layout_mesh), layout).requires_grad_() for t in (q, k, v)]
+        fn = torch.compile(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=True),
+                           backend="aot_eager", fullgraph=True)
+        old = dtshard.config.attention_cp
+        dtshard.config.attention_cp = strategy
+        try:
+            out = fn(*dts)
+            out.sum().backward()
+        finally:
+            dtshard.config.attention_cp = old
+            torch._dynamo.reset()
+        errs.append(_errs(out, dts, want.detach(), ref))
+    return errs
+
+
+def test_compiled_fullgraph_striped_and_usp():
+    for errs in run_distributed(_compiled_layouts, 4, timeout=300):
+        assert max(errs) < 1e-9, errs
