@@ -40,14 +40,20 @@ def _cases(world):
         yield strategy, masking, heads, seq
 
 
-def _run(mesh_shape):
+def _layout(mesh_shape):
+    """(mesh, q/k/v placements, the sequence's mesh dim, its size): the sequence on the last mesh
+    dim, the batch on the other one of a 2-D mesh."""
     m = mesh(mesh_shape)
     seq_dim_of_mesh = len(mesh_shape) - 1
     placements = [Replicate()] * len(mesh_shape)
     placements[seq_dim_of_mesh] = Shard(2)
     if len(mesh_shape) == 2:
         placements[0] = Shard(0)  # the batch on the other mesh dim
-    n = mesh_shape[seq_dim_of_mesh]
+    return m, placements, seq_dim_of_mesh, mesh_shape[seq_dim_of_mesh]
+
+
+def _run(mesh_shape):
+    m, placements, seq_dim_of_mesh, n = _layout(mesh_shape)
     results = []
     for strategy, masking, heads, seq in _cases(n):
         h, hkv = HEADS[heads]
@@ -156,18 +162,15 @@ def test_the_cost_picks_allgather_for_mqa_and_ulysses_for_mha():
     assert attention_cp._bytes("ring", q, kv1, kv1, 0) == attention_cp._bytes("allgather_kv", q, kv1, kv1, 0)
 
 
-def _compiled(strategy, hkv):
-    """One causal call per strategy under torch.compile(fullgraph=True): no graph break, the same
-    values and gradients as one process."""
-    m = mesh((2,))
-    g = torch.Generator().manual_seed(3)
-    q = torch.randn(2, 4, 7, 8, dtype=torch.float64, generator=g)
-    k, v = (torch.randn(2, hkv, 7, 8, dtype=torch.float64, generator=g) for _ in range(2))
-    gqa = hkv != 4
+def _compiled_error(q, k, v, m, layout, strategy) -> float:
+    """One causal call under torch.compile(fullgraph=True) (a graph break raises) with ``strategy``
+    forced, q, k, v laid out ``layout`` on ``m``: the largest relative error of the output and
+    dq/dk/dv against one process."""
+    gqa = k.shape[1] != q.shape[1]
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
-    F.scaled_dot_product_attention(*ref, is_causal=True, enable_gqa=gqa).sum().backward()
-    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    dts = [dtshard.distribute_tensor(t, m, [Shard(2)]).requires_grad_() for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*ref, is_causal=True, enable_gqa=gqa)
+    want.sum().backward()
+    dts = [dtshard.distribute_tensor(t, m, layout).requires_grad_() for t in (q, k, v)]
     fn = torch.compile(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=gqa),
                        backend="aot_eager", fullgraph=True)
     old = dtshard.config.attention_cp
@@ -178,9 +181,17 @@ def _compiled(strategy, hkv):
     finally:
         dtshard.config.attention_cp = old
         torch._dynamo.reset()
-    got = [out] + [d.grad for d in dts]
     return max(((a.full_tensor() - b).abs().max() / b.abs().max()).item()
-               for a, b in zip(got, [want] + [r.grad for r in ref]))
+               for a, b in zip([out] + [d.grad for d in dts], [want.detach()] + [r.grad for r in ref]))
+
+
+def _compiled(strategy, hkv):
+    """One causal call per strategy under torch.compile(fullgraph=True): no graph break, the same
+    values and gradients as one process."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 7, 8, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(2, hkv, 7, 8, dtype=torch.float64, generator=g) for _ in range(2))
+    return _compiled_error(q, k, v, mesh((2,)), [Shard(2)], strategy)
 
 
 @pytest.mark.parametrize("strategy,hkv", [("ulysses", 4), ("allgather_kv", 1), ("ring", 1)])
@@ -226,13 +237,7 @@ def _mask(kind, b, h, seq, g):
 
 
 def _run_masked(mesh_shape):
-    m = mesh(mesh_shape)
-    seq_dim_of_mesh = len(mesh_shape) - 1
-    placements = [Replicate()] * len(mesh_shape)
-    placements[seq_dim_of_mesh] = Shard(2)
-    if len(mesh_shape) == 2:
-        placements[0] = Shard(0)  # the batch on the other mesh dim
-    n = mesh_shape[seq_dim_of_mesh]
+    m, placements, seq_dim_of_mesh, n = _layout(mesh_shape)
     other = mesh_shape[0] if len(mesh_shape) == 2 else 1
     results = []
     for kind, heads, seq in itertools.product(MASKS, HEADS, (4 * n, 4 * n + 3)):
@@ -506,21 +511,7 @@ def _compiled_layouts():
                                           ((2, 2), [Shard(2), Shard(2)], "auto")):
         q = torch.randn(2, 4, 16, 8, dtype=torch.float64, generator=g)
         k, v = (torch.randn(2, 2, 16, 8, dtype=torch.float64, generator=g) for _ in range(2))
-        ref = [t.clone().requires_grad_() for t in (q, k, v)]
-        want = F.scaled_dot_product_attention(*ref, is_causal=True, enable_gqa=True)
-        want.sum().backward()
-        dts = [dtshard.distribute_tensor(t, mesh(layout_mesh), layout).requires_grad_() for t in (q, k, v)]
-        fn = torch.compile(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=True),
-                           backend="aot_eager", fullgraph=True)
-        old = dtshard.config.attention_cp
-        dtshard.config.attention_cp = strategy
-        try:
-            out = fn(*dts)
-            out.sum().backward()
-        finally:
-            dtshard.config.attention_cp = old
-            torch._dynamo.reset()
-        errs.append(_errs(out, dts, want.detach(), ref))
+        errs.append(_compiled_error(q, k, v, mesh(layout_mesh), layout, strategy))
     return errs
 
 
