@@ -239,6 +239,24 @@ def mesh_coordinate(mesh: DeviceMesh) -> tuple[int, ...]:
     return hit[1]
 
 
+def sub_mesh_dims(big: DeviceMesh, sub: DeviceMesh) -> tuple[int, ...] | None:
+    """The dims of ``big`` that ``sub`` is, for this rank: ``sub`` a sub-mesh of ``big`` (a slice
+    ``big[names]`` through this rank, e.g. a tensor-parallel ``mesh["tp"]`` of a ``(dp, cp, tp)``
+    mesh): its dim names among ``big``'s, the same sizes, and its ranks those of ``big`` along
+    those dims at this rank's other coordinates.  None otherwise (or for a rank outside ``big``)."""
+    bn, sn = big.mesh_dim_names, sub.mesh_dim_names
+    if not bn or not sn or len(sn) >= len(bn) or any(n not in bn for n in sn):
+        return None
+    dims = tuple(bn.index(n) for n in sn)
+    if list(dims) != sorted(dims) or any(big.size(d) != sub.size(i) for i, d in enumerate(dims)):
+        return None
+    coord = big.get_coordinate()
+    if coord is None:
+        return None
+    index = tuple(slice(None) if d in dims else c for d, c in enumerate(coord))
+    return dims if big.mesh[index].tolist() == sub.mesh.tolist() else None
+
+
 def is_member(mesh: DeviceMesh) -> bool:
     """Is this rank part of ``mesh``?  (A rank outside a sub-mesh runs the same program; its
     DTensors on that mesh hold empty shards and their ops are no-ops, as in PyTorch.)"""

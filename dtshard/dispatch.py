@@ -11,13 +11,14 @@ import itertools
 from typing import Any
 
 import torch
-from torch.distributed.tensor.placement_types import Shard, _StridedShard
+from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
 
 from dtshard import _trace
 from dtshard import hooks
 from dtshard import registry
 from dtshard.collectives import is_member as _member  # is this rank in the mesh
-from dtshard.propagate import Plan, _run_meta, _Slot, lookup, propagate
+from dtshard.collectives import sub_mesh_dims
+from dtshard.propagate import MeshMismatchError, Plan, _run_meta, _Slot, lookup, propagate
 from dtshard.redistribute import redistribute_local
 from dtshard.spec import DTensorSpec, contiguous_strides, placements_str
 
@@ -619,7 +620,16 @@ def dispatch_planned(op, args: tuple, kwargs: dict):
             _handlers[id(op)] = _decompose
             return _decompose(op, args, kwargs)
         _stats["misses"] += 1
-        plan = propagate(op, args, kwargs, specs, margs, mkwargs)
+        try:
+            plan = propagate(op, args, kwargs, specs, margs, mkwargs)
+        except MeshMismatchError:
+            # inside implicit_replication(), or in a backward formula re-using what such a forward
+            # op saved (a forward op cannot have mixed the meshes without it)
+            lifted = _lift_sub_meshes(args, kwargs, specs) if (
+                implicit_replication_on() or torch._C._current_autograd_node() is not None) else None
+            if lifted is None:
+                raise
+            return dispatch_planned(op, *lifted)
         if tkey is not None:
             _store(tkey, plan)
     else:
@@ -725,6 +735,38 @@ def implicit_replication_on() -> bool:
         return True
     get = getattr(torch._C, "_get_dtensor_allow_implicit_replication", None)
     return bool(get()) if get is not None else False
+
+
+def _lift_sub_meshes(args: tuple, kwargs: dict, specs) -> tuple[tuple, dict] | None:
+    """Inside ``implicit_replication()``: DTensors on a sub-mesh of the largest mesh among the
+    op's inputs (``mesh["tp"]`` of a ``(dp, cp, tp)`` mesh: tensor-parallel parameters beside
+    activations laid out on the whole mesh) as DTensors on that mesh, ``Replicate`` on its other
+    dims (the caller vouches that they hold the same values there, as parameters do; the local
+    tensor is unchanged).  None when the meshes are not so related."""
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    big = max((s.mesh for s in specs), key=lambda m: m.ndim)
+    dims_of: dict = {}
+    for s in specs:
+        if s.mesh is not big and id(s.mesh) not in dims_of:
+            dims = sub_mesh_dims(big, s.mesh)
+            if dims is None:
+                return None
+            dims_of[id(s.mesh)] = dims
+    R = Replicate()
+
+    def lift(a):
+        if not isinstance(a, _DT) or a._spec.mesh is big:
+            return a
+        s, dims = a._spec, dims_of[id(a._spec.mesh)]
+        placements = [R] * big.ndim
+        for p, d in zip(s.placements, dims):
+            placements[d] = p
+        spec = DTensorSpec(big, tuple(placements), s.shape, s.stride, s.dtype)
+        return _op_output(a._local_tensor, spec)
+
+    flat, tree = tree_flatten((args, kwargs))
+    return tree_unflatten([lift(a) for a in flat], tree)
 
 
 def _promote_plain_args(op, args: tuple, kwargs: dict, in_backward: bool) -> tuple[tuple, dict]:

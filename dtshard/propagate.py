@@ -258,6 +258,11 @@ _EXACT_VIEWS = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_vi
                           torch.ops.aten.view_copy.default})
 
 
+class MeshMismatchError(ValueError):
+    """An op's DTensor inputs live on different meshes (the dispatcher may lift a sub-mesh's
+    DTensors onto the larger mesh inside ``implicit_replication()``)."""
+
+
 def _check_strategy(op, strat, n_in, n_out, in_metas, out_metas, source) -> tuple:
     try:
         outs, ins = strat
@@ -314,9 +319,12 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
     mesh_shape = tuple(mesh.shape)
     for s in specs[1:]:
         if s.mesh is not mesh and mesh_identity(s.mesh) != mesh_identity(mesh):
-            raise ValueError(
+            raise MeshMismatchError(
                 f"{_error_context(op, specs)}: DTensor inputs live on different meshes "
-                f"({tuple(mesh.shape)} vs {tuple(s.mesh.shape)}); redistribute them onto one mesh first."
+                f"({tuple(mesh.shape)} {mesh.mesh_dim_names} vs {tuple(s.mesh.shape)} {s.mesh.mesh_dim_names}); "
+                "redistribute them onto one mesh first, or, for a sub-mesh's DTensor that holds the same "
+                "values on every rank outside its mesh (a tensor-parallel parameter beside activations on "
+                "the whole mesh), run the op inside dtshard.experimental.implicit_replication()."
             )
     shapes = [s.shape for s in specs]
     dtypes = [s.dtype for s in specs]
@@ -468,11 +476,20 @@ def _expand(op, entry, mode, specs, meta_args, meta_kwargs, gflat, in_ids, out_n
         strategies.append(all_r)
     mesh_shape = specs[0].mesh_shape
     m = len(mesh_shape)
-    if len(strategies) ** m > _MAX_CHOICES:  # keep a huge rule x mesh product bounded: same strategy on every dim
+    src_pl = [s.placements for s in specs]
+    if len(strategies) ** m > _MAX_CHOICES:
+        # keep a huge rule x mesh product bounded: the same strategy on every dim, plus every
+        # combination of strategies that each keep the inputs where they are on their dim (the
+        # free choices, which a same-on-every-dim list misses on a mesh whose dims differ)
         combos = [tuple([k] * m) for k in range(len(strategies))]
+        keeps = [[c for c, st in enumerate(strategies)
+                  if all(placements_equal((st[1][j],), (src_pl[k][d],)) for j, k in enumerate(in_ids))]
+                 for d in range(m)]
+        if all(keeps) and math.prod(len(k) for k in keeps) <= _MAX_CHOICES:
+            seen = set(combos)
+            combos += [c for c in itertools.product(*keeps) if c not in seen]
     else:
         combos = list(itertools.product(range(len(strategies)), repeat=m))
-    src_pl = [s.placements for s in specs]
     carry_strided = any(s.has_strided for s in specs) and op not in _EXACT_VIEWS and not fallback
     choices = []
     for combo in combos:

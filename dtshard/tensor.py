@@ -73,9 +73,30 @@ def _grad_as_dtensor(spec: DTensorSpec, grad: torch.Tensor):
     if grad is None:  # an undefined gradient (allow_unused)
         return None
     if isinstance(grad, DTensor):
+        if grad._spec.mesh is not spec.mesh and mesh_identity(grad._spec.mesh) != mesh_identity(spec.mesh):
+            return _onto_sub_mesh(grad, spec.mesh, "the gradient of a leaf DTensor")
         return _in_leaf_layout(spec, grad) if grad._spec.stride != spec.stride else None
     return _promote_plain(grad, spec.mesh, _grad_placements(spec.placements), shape=spec.shape,
                           what="the gradient of a leaf DTensor")
+
+
+def _onto_sub_mesh(grad: "DTensor", mesh: DeviceMesh, what: str) -> "DTensor":
+    """A gradient computed on a larger mesh than its tensor's (a sub-mesh DTensor, e.g. a
+    tensor-parallel parameter, lifted onto the activations' mesh inside
+    ``implicit_replication()``) as a DTensor on the tensor's own mesh: its other dims reduced or
+    gathered to ``Replicate`` (their Partial terms summed: the gradient over every rank's batch
+    and sequence), then dropped."""
+    dims = C.sub_mesh_dims(grad._spec.mesh, mesh) if C.is_member(grad._spec.mesh) else None
+    if dims is None:
+        raise ValueError(
+            f"{what}: a gradient on mesh {tuple(grad._spec.mesh.shape)} {grad._spec.mesh.mesh_dim_names} for a "
+            f"DTensor on mesh {tuple(mesh.shape)} {mesh.mesh_dim_names}, which is not a sub-mesh of it")
+    gs = grad._spec
+    target = tuple(p if d in dims else Replicate() for d, p in enumerate(gs.placements))
+    if target != gs.placements:
+        grad = grad.redistribute(gs.mesh, target)
+    spec = DTensorSpec(mesh, tuple(gs.placements[d] for d in dims), gs.shape, grad._spec.stride, gs.dtype)
+    return DTensor(grad._local_tensor, spec, requires_grad=False)
 
 
 def _in_leaf_layout(spec: DTensorSpec, grad: "DTensor"):
@@ -600,6 +621,8 @@ class _FromLocal(torch.autograd.Function):
         spec = ctx.spec
         if not isinstance(grad, DTensor):  # built by autograd from metadata (zeros): the global value
             grad = _promote_plain(grad, spec.mesh, shape=spec.shape, what="the gradient of DTensor.from_local")
+        elif grad._spec.mesh is not spec.mesh and mesh_identity(grad._spec.mesh) != mesh_identity(spec.mesh):
+            grad = _onto_sub_mesh(grad, spec.mesh, "the gradient of DTensor.from_local")
         target = ctx.grad_placements or _grad_placements(spec.placements)
         if grad._spec.placements != target:
             grad = grad.redistribute(spec.mesh, target)

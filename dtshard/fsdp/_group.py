@@ -567,17 +567,27 @@ class ParamGroup:
         over the others, which FSDP does not reduce over), the terms of all FSDP ranks summing to
         the gradient; the group then sums without dividing (``gradient_divide_factor`` still
         applies when set).  The layouts come from metadata every rank shares."""
-        if any(g is not None and type(g) is not DTensor for g in grads):
+        fsdp_ranks = sorted(self.mesh.mesh.flatten().tolist())
+        plain = [i for i, g in enumerate(grads) if g is not None and type(g) is not DTensor]
+        if plain and all(self.infos[i].tp is not None for i in plain):
+            # tensor-parallel parameters: their DTensor.from_local (see _state._tp_param) brought
+            # the activations' larger mesh down to the TP mesh, reducing the other dims, so each
+            # holds the FULL TP-local gradient on every FSDP rank: the first FSDP rank's copy is
+            # the term (Replicate -> Partial, exact), the others add zeros
+            first = not any(C.mesh_coordinate(self.mesh))
+            grads = [(g if first else torch.zeros_like(g)) if i in plain else g for i, g in enumerate(grads)]
+            plain = []
+        if plain:
             raise RuntimeError(
                 f"fully_shard({type(self.module).__name__}): some of the group's parameters got DTensor gradients "
                 "(computed with DTensor activations) and others plain ones; FSDP cannot tell whether to average "
                 "the plain ones over the data-parallel ranks. Feed the module DTensor inputs throughout (e.g. "
                 "distribute_tensor(input_ids, mesh, [Shard(0), Shard(1)])), or plain tensors throughout.")
-        fsdp_ranks = set(self.mesh.mesh.flatten().tolist())
+        fsdp_ranks = set(fsdp_ranks)
         out = []
         for g in grads:
-            if g is None:
-                out.append(None)
+            if g is None or type(g) is not DTensor:
+                out.append(g)
                 continue
             mesh = g._spec.mesh
             coord = list(C.mesh_coordinate(mesh))

@@ -28,6 +28,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
+from dtshard import collectives as C
 from dtshard.parallel._linear import TPLinearCall
 from dtshard.distribute import distribute_module, distribute_tensor
 from dtshard.tensor import DTensor
@@ -51,6 +52,28 @@ def _is_torch_dtensor(t) -> bool:
     except ImportError:  # pragma: no cover
         return False
     return isinstance(t, TorchDTensor)
+
+
+def _to_layout(t: DTensor, device_mesh: DeviceMesh, layouts) -> DTensor:
+    """``t`` moved to ``layouts`` on the module's mesh (async, as PyTorch's styles do).  A DTensor
+    on a larger mesh of which the module's mesh is a sub-mesh (activations laid out over
+    ``(dp, cp, tp)`` entering a block parallelized on ``mesh["tp"]``) moves on those dims only,
+    keeping its other dims' placements (the block's parameters join it inside
+    ``implicit_replication()``)."""
+    layouts = tuple(layouts)
+    mesh = t.device_mesh
+    if mesh is device_mesh or mesh.ndim == len(layouts):
+        return t if tuple(t.placements) == layouts else t.redistribute(placements=layouts, async_op=True)
+    dims = C.sub_mesh_dims(mesh, device_mesh)
+    if dims is None:
+        raise ValueError(
+            f"a tensor-parallel module on mesh {tuple(device_mesh.shape)} {device_mesh.mesh_dim_names} got a DTensor "
+            f"on mesh {tuple(mesh.shape)} {mesh.mesh_dim_names}, which that mesh is not a sub-mesh of")
+    target = list(t.placements)
+    for d, p in zip(dims, layouts):
+        target[d] = p
+    target = tuple(target)
+    return t if tuple(t.placements) == target else t.redistribute(mesh, target, async_op=True)
 
 
 def _as_dtshard(t):
@@ -109,15 +132,14 @@ class ParallelStyle(ABC):
         if not isinstance(input_tensor, DTensor):
             input_tensor = DTensor.from_local(input_tensor, device_mesh, input_layouts, run_check=False)
         if input_layouts != desired_input_layouts:
-            input_tensor = input_tensor.redistribute(placements=desired_input_layouts, async_op=True)
+            input_tensor = _to_layout(input_tensor, device_mesh, desired_input_layouts)
         return input_tensor
 
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
         """Move the module's output to ``output_layouts`` (a Partial output: to Replicate is an
         all_reduce, to Shard a reduce_scatter); hand back the local tensor if asked."""
-        if outputs.placements != output_layouts:
-            outputs = outputs.redistribute(placements=output_layouts, async_op=True)
+        outputs = _to_layout(outputs, device_mesh, output_layouts)
         return outputs.to_local() if use_local_output else outputs
 
     @abstractmethod
@@ -241,9 +263,7 @@ class SequenceParallel(ParallelStyle):
     def _prepare_input_fn(sequence_sharding, mod, inputs, device_mesh):
         input_tensor = _as_dtshard(inputs[0])
         if isinstance(input_tensor, DTensor):
-            if input_tensor.placements != sequence_sharding:
-                input_tensor = input_tensor.redistribute(placements=sequence_sharding, async_op=True)
-            return input_tensor
+            return _to_layout(input_tensor, device_mesh, sequence_sharding)
         elif isinstance(input_tensor, torch.Tensor):
             return DTensor.from_local(input_tensor, device_mesh, sequence_sharding, run_check=False)
         else:

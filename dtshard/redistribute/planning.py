@@ -522,6 +522,8 @@ def transition_cost(spec: DTensorSpec, dst: Sequence[Placement]) -> float:
     src = spec.placements
     if dst == src:
         return 0.0
+    if 0 in spec.shape and not any(type(p) is Partial for p in src + dst):
+        return 0.0  # nothing to move (an empty KV cache joining a cat): no search
     if len(dst) == 1 and not _any_strided(src, dst):  # one mesh dim (the common case): priced inline
         return _cost_1d(spec.shape, spec.mesh_shape[0], src[0], dst[0], _itemsize(spec.dtype))
     return _steps_cost(spec, plan(spec, dst))

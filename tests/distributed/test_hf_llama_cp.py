@@ -33,8 +33,13 @@ import pytest
 import torch
 
 import dtshard
-from dtshard import Shard
-from dtshard.testing import run_distributed
+from dtshard import Replicate, Shard
+from dtshard.testing import preload_in_workers, run_distributed
+
+# every worker (2 + 4 + 8 of them) would import transformers' Llama on its first use (~6 s of CPU
+# each on 2 cores); the fork server imports it once instead, when this module is collected (before
+# any pool starts).  An unusable transformers fails the tests below, where they import it.
+preload_in_workers("transformers.models.llama.modeling_llama")
 
 STEPS = 3
 LR = 2e-3
@@ -46,6 +51,18 @@ def _config():
     return LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                        attn_implementation="sdpa")
+
+
+def _tensor_parallel(model, tp_mesh) -> None:
+    """torchtitan's block plan, the projections keeping DTensor outputs (so attention runs on
+    DTensors whose heads are sharded on tp and sequence on cp)."""
+    from dtshard.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    col, row = ColwiseParallel(use_local_output=False), RowwiseParallel(use_local_output=False)
+    for layer in model.model.layers:
+        parallelize_module(layer, tp_mesh, {
+            "self_attn.q_proj": col, "self_attn.k_proj": col, "self_attn.v_proj": col, "self_attn.o_proj": row,
+            "mlp.gate_proj": col, "mlp.up_proj": col, "mlp.down_proj": row})
 
 
 def _train(kind: str, seq: int, strategy: str = "auto"):
@@ -60,9 +77,22 @@ def _train(kind: str, seq: int, strategy: str = "auto"):
         mesh = dtshard.init_device_mesh("cpu", (torch.distributed.get_world_size(),), mesh_dim_names=("cp",))
         batch_layout = [Shard(1)]
         dtshard.distribute_module(model, mesh)  # the parameters replicated over the sequence ranks
-    else:  # "cp_fsdp": FSDP over the flattened (dp, cp) group, as torchtitan shards over dp_shard_cp
+    elif kind == "cp_fsdp":  # FSDP over the flattened (dp, cp) group, as torchtitan shards over dp_shard_cp
         mesh = dtshard.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
         batch_layout = [Shard(0), Shard(1)]
+        fsdp_mesh = mesh["dp", "cp"]._flatten("dp_cp")
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=fsdp_mesh)
+        fully_shard(model, mesh=fsdp_mesh)
+    elif kind == "cp_tp":  # the blocks tensor-parallel on mesh["tp"], the batch's sequence on "cp"
+        mesh = dtshard.init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
+        batch_layout = [Shard(1), Replicate()]
+        _tensor_parallel(model, mesh["tp"])
+        dtshard.distribute_module(model, mesh)  # the rest (embedding, norms, head) replicated on the whole mesh
+    else:  # "cp_fsdp_tp": torchtitan's order, TP on mesh["tp"], then FSDP over the flattened (dp, cp)
+        mesh = dtshard.init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "cp", "tp"))
+        batch_layout = [Shard(0), Shard(1), Replicate()]
+        _tensor_parallel(model, mesh["tp"])
         fsdp_mesh = mesh["dp", "cp"]._flatten("dp_cp")
         for layer in model.model.layers:
             fully_shard(layer, mesh=fsdp_mesh)
@@ -105,6 +135,8 @@ def _train(kind: str, seq: int, strategy: str = "auto"):
     pytest.param("cp", 2, 12, "ring", id="cp2-ring"),
     pytest.param("cp", 4, 12, "auto", id="cp4"),
     pytest.param("cp_fsdp", 4, 12, "auto", id="cp2xfsdp2"),
+    pytest.param("cp_tp", 4, 12, "auto", id="cp2xtp2"),
+    pytest.param("cp_fsdp_tp", 8, 12, "auto", id="cp2xfsdp2xtp2"),
 ])
 def test_hf_llama_trains_on_a_sequence_sharded_batch(kind, world, seq, strategy):
     results = run_distributed(_train, world, kind, seq, strategy, timeout=300)
@@ -117,5 +149,7 @@ def test_hf_llama_trains_on_a_sequence_sharded_batch(kind, world, seq, strategy)
         assert shape == (2, seq, 64)
         if seq % world == 0:  # the sequence stays sharded through the model (uneven: the planner may
             # move a flattened (batch, sequence) dim to the batch, which is exact too)
-            assert placements == ((Shard(1),) if kind == "cp" else (Shard(0), Shard(1))), placements
+            want = {"cp": (Shard(1),), "cp_fsdp": (Shard(0), Shard(1)), "cp_tp": (Shard(1), Replicate()),
+                    "cp_fsdp_tp": (Shard(0), Shard(1), Replicate())}[kind]
+            assert placements == want, placements
     assert rows[-1][0] < rows[0][0], "the model did not train"
