@@ -1,32 +1,70 @@
 #!/usr/bin/env python
 """Context parallelism: a causal Llama-style attention layer on a sequence-sharded input, each
-strategy of ``dtshard/rules/attention_cp.py`` side by side with one process, in one run.
+strategy of ``dtshard/rules/attention_cp.py`` side by side with one process, in one run: step
+time, bytes received and peak memory per rank.
 
     python benchmarks/bench_attention_cp.py                          # S = 2K, 4K; 2 and 4 ranks
-    python benchmarks/bench_attention_cp.py --seqs 2048,4096,8192,16384 --ranks 2,4
+    python benchmarks/bench_attention_cp.py --seqs 8192 --ranks 2 --reps 0   # 8K: memory + bytes only
+    python benchmarks/bench_attention_cp.py --seqs "" --plan-seqs 16384 --ranks 2,4   # plan bytes only
     python benchmarks/bench_attention_cp.py --window 1024 --seqs 4096 --plan-seqs 16384 --ranks 4
 
 Per sequence length and rank count: the forward + backward of ``F.scaled_dot_product_attention``
-(causal, float32, B = 1, H = 8 query heads, Hkv = 2 (GQA 4:1) or 8 (MHA), E = 64) on q, k, v
-distributed ``Shard(2)``, for each strategy that applies, forced through
+(causal, float32, B = 1, H = 8 query heads, Hkv = 2 (``gqa``, 4:1) or 8 (``mha``), E = 64) on q, k,
+v distributed ``Shard(2)``, for each strategy that applies, forced through
 ``dtshard.config.attention_cp``, and the same layer in ONE process with as many threads as there
-are ranks.  Reported: the median step time (wall, after a barrier; each rank runs one thread) and
-the bytes the rank that receives most received forward and backward (``CommCounter``), also as
-a multiple of K + V.
-Peak memory per rank is not measured yet.  Times on a shared machine are noisy: compare the
-columns of one run.
+are ranks (its own spawned process, after the ranks').  Reported:
+
+- the median of ``--reps`` step times (wall, after a barrier and one warm-up step; each rank runs
+  one thread).  ``--reps 0``: no step is timed, only the memory step runs (then it is the first
+  call of that strategy in the process);
+- the bytes the rank that receives most received forward and backward (``CommCounter``), also as
+  a multiple of K + V, and the forward's bytes from the plan (``attention_cp._bytes``);
+- **peak memory per rank** (the most over the ranks) of one more step, untimed, and of the
+  one-process step, measured two ways (CPU torch has no allocator statistics:
+  ``torch.cuda.max_memory_allocated`` has no CPU counterpart, and ``tracemalloc`` does not see
+  torch's allocator):
+
+  * ``peak`` (tensor bytes): ``torch.profiler.profile(profile_memory=True)`` around the step
+    records one ``[memory]`` event per allocation (+bytes) and free (-bytes) of torch's CPU
+    allocator; replayed in time order (``prof.profiler.kineto_results.events()``, the raw events:
+    ``prof.events()`` folds them into per-op totals), the running sum's maximum is the peak of
+    tensor bytes live during forward + backward above what was live before the step (the inputs,
+    their shards and the mask are not counted; the output and the gradients, alive at the end,
+    are).  The profiler records the events of the thread that runs it only (checked: a Python
+    thread's allocations are not recorded): that is the thread that runs dtshard's handlers, the
+    kernels (1 thread per rank; in one process the kernel's scratch buffer is allocated by the
+    calling thread) and the CPU autograd backward, but not gloo's worker threads, whose staging
+    buffers are missed, a tensor freed there counts as live to the end, and one allocated there
+    (a received buffer) is not counted.  The column ``replay error`` measures what this loses:
+    the largest ``|live bytes at the end by the replay - the output's and the gradients'|`` over
+    the ranks (what must be live then is known exactly); the peak is uncertain by about that.
+  * ``RSS extra``: ``VmHWM`` after the step minus ``VmRSS`` before it, the high-water mark reset
+    with ``/proc/self/clear_refs`` (as ``bench_memory.py``), every thread's every touched page
+    (gloo's buffers included; a buffer never written costs nothing).  For RSS to follow live
+    bytes the processes run with ``MALLOC_MMAP_THRESHOLD_=65536`` (each block >= 64 KiB its own
+    mmap, returned on free; see ``bench_memory.py``), which applies to the timed steps of every
+    column alike; ``--no-rss`` leaves glibc's default and drops the column.
+
+  What to expect (derived from the strategies, not measured): one process holds ``out``, ``dq``,
+  ``dk``, ``dv`` and the kernel's buffers; a rank holds ``1/n`` of those plus the strategy's K/V
+  working set: allgather_kv the whole K and V (and in backward whole-size ``dK``, ``dV`` before
+  the reduce_scatter), the ring two blocks (and their accumulators), Ulysses whole sequences of
+  ``H/n`` heads of q, k, v, out (and the gradients), mask_kv the rows its mask needs.
+
+Times on a shared machine are noisy: compare the columns of one run.
 
 ``--window W``: the same layer with a causal sliding-window mask instead of ``is_causal`` (row
 ``i`` sees keys ``(i - W, i]``; an additive float ``(S, S)`` mask, the same tensor every step, so
 mask_kv reads it once), where mask_kv applies too.  ``--plan-seqs``: sequence lengths for which
 only the forward bytes each rank receives are computed from the plan (``attention_cp._bytes``:
-the exact bytes, also for mask_kv, whose table is read from the mask), no step is timed (16K
-steps take minutes on a 2-core machine).
+the exact bytes, also for mask_kv, whose table is read from the mask), no step is run (16K
+steps take minutes on a 2-core machine).  ``--heads`` and ``--strategies`` pick a subset.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -41,6 +79,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+
+MiB = 2**20
+STRATEGIES = ("ulysses", "allgather_kv", "ring", "mask_kv")  # attention_cp.STRATEGIES (checked in worker)
+HEADS = {"gqa": (8, 2), "mha": (8, 8)}
+MMAP_THRESHOLD = "65536"
 
 
 def _inputs(seq, h, hkv, e=64):
@@ -66,6 +110,56 @@ def _window_mask(seq, w):
     return m
 
 
+def _rss_kib(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise KeyError(key)
+
+
+def _peak_live(prof) -> tuple[int, int]:
+    """Peak live bytes of torch's CPU allocator during ``prof``'s window, relative to its start,
+    and the bytes still live at its end: the profiler's raw ``[memory]`` events (one per
+    allocation, +bytes, and per free, -bytes), replayed in time order, the running sum's maximum
+    and last value.  (``prof.events()`` folds them into the ops' totals, which loses the order,
+    hence the raw kineto events.)"""
+    evs = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    cur = peak = 0
+    for e in sorted(evs, key=lambda e: e.start_ns()):
+        cur += e.nbytes()
+        peak = max(peak, cur)
+    return peak, cur
+
+
+def _local_bytes(ts) -> int:
+    return sum((getattr(t, "_local_tensor", t)).untyped_storage().nbytes() for t in ts)
+
+
+def _measured_step(step, leaves, rss: bool):
+    """One step under the memory profiler: (peak live tensor bytes, RSS extra bytes or None,
+    replay error).  RSS extra: VmHWM after the step - VmRSS before it, the high-water mark reset
+    with ``/proc/self/clear_refs`` inside the profiled window (the profiler's own event buffers
+    count too).  Replay error: the profiler's live bytes at the end minus what must be live then
+    (the output and ``leaves``' gradients): positive, tensors freed on a thread the profiler
+    does not record (gloo's workers), which the replay counts as live to the end; negative, ones
+    allocated there and still live.  The peak is uncertain by about that much."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        if rss:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            base = _rss_kib("VmRSS")
+        out = step()
+        extra = (_rss_kib("VmHWM") - base) * 1024 if rss else None
+    held = _local_bytes([out] + [t.grad for t in leaves])
+    del out
+    peak, end = _peak_live(prof)
+    return peak, extra, end - held
+
+
 def worker(rank, world, args, port, out_path):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
@@ -75,11 +169,17 @@ def worker(rank, world, args, port, out_path):
     from dtshard.debug import CommCounter
     from dtshard.rules import attention_cp
 
+    def most(x):  # the most over the ranks (mask_kv's and the ring's ranks differ)
+        t = torch.tensor([float(x)], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    assert attention_cp.STRATEGIES == STRATEGIES, attention_cp.STRATEGIES
     mesh = dtshard.init_device_mesh("cpu", (world,))
     rows = []
     for seq in args.plan_seqs:  # forward bytes from the plan only
         mask = _window_mask(seq, args.window) if args.window else None
-        for name, (h, hkv) in (("gqa", (8, 2)), ("mha", (8, 8))):
+        for name, (h, hkv) in ((n, HEADS[n]) for n in args.heads):
             q, k, v, _ = _inputs(seq, h, hkv)
             dts = [dtshard.distribute_tensor(t, mesh, [Shard(2)]) for t in (q, k, v)]
             for strategy in attention_cp.STRATEGIES:
@@ -91,16 +191,17 @@ def worker(rank, world, args, port, out_path):
         del mask
     for seq in args.seqs:
         mask = _window_mask(seq, args.window) if args.window else None
-        for name, (h, hkv) in (("gqa", (8, 2)), ("mha", (8, 8))):
+        for name, (h, hkv) in ((n, HEADS[n]) for n in args.heads):
             q, k, v, go = _inputs(seq, h, hkv)
             dts = [dtshard.distribute_tensor(t, mesh, [Shard(2)]).requires_grad_() for t in (q, k, v)]
             dgo = dtshard.distribute_tensor(go, mesh, [Shard(2)])
-            for strategy in attention_cp.STRATEGIES:
+            del q, k, v, go
+            for strategy in args.strategies:
                 if attention_cp._bytes(strategy, *dts, 0, mask) is None:
                     continue
                 dtshard.config.attention_cp = strategy
                 times = []
-                for rep in range(args.reps + 1):
+                for rep in range(args.reps + 1 if args.reps else 0):  # the first one is a warm-up
                     for d in dts:
                         d.grad = None
                     dist.barrier()
@@ -109,11 +210,21 @@ def worker(rank, world, args, port, out_path):
                         _step(*dts, dgo, hkv != h, mask)
                     if rep:
                         times.append(time.perf_counter() - t0)
-                most = torch.tensor([float(comm.received())], dtype=torch.float64)
-                dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the rank that receives most (mask_kv: uneven)
-                rows.append({"seq": seq, "heads": name, "strategy": strategy, "s": statistics.median(times),
-                             "recv_bytes": int(most.item()), "kv_bytes": (k.numel() + v.numel()) * 4,
-                             "plan_fwd_bytes": attention_cp._bytes(strategy, *dts, 0, mask)})
+                row = {"seq": seq, "heads": name, "strategy": strategy,
+                       "s": statistics.median(times) if times else None,
+                       "kv_bytes": dts[1].numel() * 4 * 2,
+                       "plan_fwd_bytes": attention_cp._bytes(strategy, *dts, 0, mask)}
+                if args.memory or not times:  # one more step, untimed, under the memory profiler
+                    for d in dts:
+                        d.grad = None
+                    dist.barrier()
+                    with CommCounter() as comm:
+                        peak, extra, unseen = _measured_step(lambda: _step(*dts, dgo, hkv != h, mask), dts, args.rss)
+                    row["peak_bytes"] = most(peak)
+                    row["rss_extra_bytes"] = most(extra) if args.rss else None
+                    row["unseen_free_bytes"] = most(abs(unseen))
+                row["recv_bytes"] = most(comm.received())
+                rows.append(row)
             dtshard.config.attention_cp = "auto"
     if rank == 0:
         with open(out_path, "w") as f:
@@ -121,60 +232,107 @@ def worker(rank, world, args, port, out_path):
     dist.destroy_process_group()
 
 
-def one_process(seqs, threads, reps, window=0):
+def one_process(_rank, args, threads, out_path):
+    """The same layer on whole tensors in one process with ``threads`` threads: median step time
+    (after one warm-up) and, with ``--memory``, the peak of one more step, as the ranks measure."""
     torch.set_num_threads(threads)
-    out = {}
-    for seq in seqs:
-        mask = _window_mask(seq, window) if window else None
-        for name, (h, hkv) in (("gqa", (8, 2)), ("mha", (8, 8))):
+    rows = []
+    for seq in args.seqs:
+        mask = _window_mask(seq, args.window) if args.window else None
+        for name, (h, hkv) in ((n, HEADS[n]) for n in args.heads):
             q, k, v, go = _inputs(seq, h, hkv)
-            ts = [t.clone().requires_grad_() for t in (q, k, v)]
+            ts = [t.requires_grad_() for t in (q, k, v)]
             times = []
-            for rep in range(reps + 1):
+            for rep in range(args.reps + 1 if args.reps else 0):
+                for t in ts:
+                    t.grad = None
                 t0 = time.perf_counter()
                 _step(*ts, go, hkv != h, mask)
                 if rep:
                     times.append(time.perf_counter() - t0)
-            out[seq, name] = statistics.median(times)
-    return out
+            row = {"seq": seq, "heads": name, "s": statistics.median(times) if times else None}
+            if args.memory or not times:
+                for t in ts:
+                    t.grad = None
+                row["peak_bytes"], row["rss_extra_bytes"], unseen = _measured_step(
+                    lambda: _step(*ts, go, hkv != h, mask), ts, args.rss)
+                row["unseen_free_bytes"] = abs(unseen)
+            rows.append(row)
+    with open(out_path, "w") as f:
+        json.dump(rows, f)
+
+
+def _spawn(fn, nprocs, *args):
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        mp.spawn(fn, args=(*args, f.name), nprocs=nprocs)
+        return json.load(open(f.name))
+
+
+def _mib(b):
+    return "-" if b is None else f"{b / MiB:.2f}"
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--seqs", default="2048,4096", type=lambda s: [int(x) for x in s.split(",") if x])
     ap.add_argument("--ranks", default="2,4", type=lambda s: [int(x) for x in s.split(",")])
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=3,
+                    help="timed steps after one warm-up (0: no timing, only the memory step)")
+    ap.add_argument("--no-memory", dest="memory", action="store_false",
+                    help="skip the extra untimed step under the memory profiler")
+    ap.add_argument("--no-rss", dest="rss", action="store_false",
+                    help=f"no RSS column, and no MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD} in the spawned "
+                         "processes (which the RSS column needs: blocks >= 64 KiB are mmapped and unmapped "
+                         "on free, every column alike)")
+    ap.add_argument("--heads", default="gqa,mha", type=lambda s: s.split(","),
+                    help="head layouts: gqa (8 query : 2 KV heads), mha (8 : 8)")
+    ap.add_argument("--strategies", default=",".join(STRATEGIES), type=lambda s: s.split(","),
+                    help="the strategies to force (those that apply)")
     ap.add_argument("--window", type=int, default=0, help="sliding-window mask of this many keys (0: is_causal)")
     ap.add_argument("--plan-seqs", default="", type=lambda s: [int(x) for x in s.split(",") if x],
                     help="sequence lengths for forward bytes from the plan only (no step)")
     args = ap.parse_args()
+    if args.rss:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD  # read by the spawned processes' glibc
     results = []
     for world in args.ranks:
-        with tempfile.NamedTemporaryFile(suffix=".json") as f:
-            mp.spawn(worker, args=(world, args, free_port(), f.name), nprocs=world)
-            results.append((world, json.load(open(f.name))))
+        rows = _spawn(worker, world, world, args, free_port())
+        base = _spawn(one_process, 1, args, world) if args.seqs else []
+        results.append((world, rows, {(b["seq"], b["heads"]): b for b in base}))
     if args.plan_seqs:
         print("| ranks | S | heads | strategy | forward received MiB/rank (plan) | / K+V | auto picks |")
         print("|---:|---:|---|---|---:|---:|---|")
-        for world, rows in results:
+        for world, rows, _ in results:
             for r in rows:
-                if "s" not in r:
+                if "auto" in r:
                     b = r["plan_fwd_bytes"]
                     print(f"| {world} | {r['seq']} | {r['heads']} | {r['strategy']} | "
-                          f"{b / 2**20:.2f} | {b / r['kv_bytes']:.3f} | {r['auto']} |")
+                          f"{b / MiB:.2f} | {b / r['kv_bytes']:.3f} | {r['auto']} |")
         print()
+    if not args.seqs:
+        return
+    rss = " | RSS extra MiB/rank | one process RSS extra MiB" if args.rss else ""
     print("| ranks | S | heads | strategy | step s | one process s (as many threads) | x one process | "
-          "fwd received MiB/rank (plan) | received MiB/rank (fwd+bwd) | / K+V |")
-    print("|---:|---:|---|---|---:|---:|---:|---:|---:|---:|")
-    for world, rows in results:
-        base = one_process(args.seqs, world, args.reps, args.window) if args.seqs else {}
+          "fwd received MiB/rank (plan) | received MiB/rank (fwd+bwd) | / K+V | "
+          "peak MiB/rank | one process peak MiB | peak / one process | replay error MiB/rank" + rss + " |")
+    print("|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:" + ("|---:|---:" if args.rss else "") + "|")
+    for world, rows, base in results:
         for r in rows:
-            if "s" not in r:
+            if "auto" in r:
                 continue
             b = base[r["seq"], r["heads"]]
-            print(f"| {world} | {r['seq']} | {r['heads']} | {r['strategy']} | {r['s']:.3f} | {b:.3f} | "
-                  f"{r['s'] / b:.2f} | {r['plan_fwd_bytes'] / 2**20:.2f} | {r['recv_bytes'] / 2**20:.2f} | "
-                  f"{r['recv_bytes'] / r['kv_bytes']:.2f} |")
+            ratio = f"{r['s'] / b['s']:.2f}" if r["s"] and b["s"] else "-"
+            t = f"{r['s']:.3f}" if r["s"] else "-"
+            tb = f"{b['s']:.3f}" if b["s"] else "-"
+            pk = r.get("peak_bytes")
+            line = (f"| {world} | {r['seq']} | {r['heads']} | {r['strategy']} | {t} | {tb} | {ratio} | "
+                    f"{r['plan_fwd_bytes'] / MiB:.2f} | {r['recv_bytes'] / MiB:.2f} | "
+                    f"{r['recv_bytes'] / r['kv_bytes']:.2f} | {_mib(pk)} | {_mib(b.get('peak_bytes'))} | "
+                    + (f"{pk / b['peak_bytes']:.2f}" if pk and b.get("peak_bytes") else "-")
+                    + f" | {_mib(r.get('unseen_free_bytes'))}")
+            if args.rss:
+                line += f" | {_mib(r.get('rss_extra_bytes'))} | {_mib(b.get('rss_extra_bytes'))}"
+            print(line + " |")
 
 
 if __name__ == "__main__":
