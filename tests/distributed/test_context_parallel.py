@@ -413,6 +413,18 @@ def _errs(out, dts, want, ref):
                for a, b in zip([out] + [d.grad for d in dts], [want] + [r.grad for r in ref]))
 
 
+def _one_process(g, b, h, hkv, seq, kv_seq, causal):
+    """float64 q, k, v, an output gradient, and one process's attention on leaf copies (its
+    output, with the leaves' gradients filled)."""
+    q = torch.randn(b, h, seq, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(b, hkv, kv_seq, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    go = torch.randn(b, h, seq, 8, generator=g, dtype=torch.float64)
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*ref, is_causal=causal, enable_gqa=hkv != h)
+    want.backward(go)
+    return q, k, v, go, ref, want
+
+
 def _striped_and_usp():
     """On 4 ranks: q, k, v laid out ``_StridedShard(2, split_factor=sf)`` (the striped layout:
     ``sf = S / 4`` gives rank ``r`` the tokens ``r, r + 4, ...``; a smaller ``sf`` stripes
@@ -431,12 +443,7 @@ def _striped_and_usp():
         h, hkv = HEADS[heads]
         kv_seq = seq + 4 if masking == "causal_kv" else seq
         causal = masking != "none"
-        q = torch.randn(1, h, seq, 8, generator=g, dtype=torch.float64)
-        k, v = (torch.randn(1, hkv, kv_seq, 8, generator=g, dtype=torch.float64) for _ in range(2))
-        go = torch.randn(1, h, seq, 8, generator=g, dtype=torch.float64)
-        ref = [t.clone().requires_grad_() for t in (q, k, v)]
-        want = F.scaled_dot_product_attention(*ref, is_causal=causal, enable_gqa=hkv != h)
-        want.backward(go)
+        q, k, v, go, ref, want = _one_process(g, 1, h, hkv, seq, kv_seq, causal)
         layout = [_StridedShard(2, split_factor=split)]
         dts = [dtshard.distribute_tensor(t, m, layout).requires_grad_() for t in (q, k, v)]
         old = dtshard.config.attention_cp
@@ -458,12 +465,7 @@ def _striped_and_usp():
                                                             ("auto", "allgather_kv", "ring")):
         h, hkv = HEADS[heads]
         causal = masking != "none"
-        q = torch.randn(2, h, seq, 8, generator=g, dtype=torch.float64)
-        k, v = (torch.randn(2, hkv, seq, 8, generator=g, dtype=torch.float64) for _ in range(2))
-        go = torch.randn(2, h, seq, 8, generator=g, dtype=torch.float64)
-        ref = [t.clone().requires_grad_() for t in (q, k, v)]
-        want = F.scaled_dot_product_attention(*ref, is_causal=causal, enable_gqa=hkv != h)
-        want.backward(go)
+        q, k, v, go, ref, want = _one_process(g, 2, h, hkv, seq, seq, causal)
         layout = [Shard(2), Shard(2)]
         dts = [dtshard.distribute_tensor(t, m2, layout).requires_grad_() for t in (q, k, v)]
         old = dtshard.config.attention_cp
