@@ -83,6 +83,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import math
 import weakref
 from collections import OrderedDict
 
@@ -424,7 +425,7 @@ def _shift(ts, rows_in: int, mesh, mesh_dim: int, n: int, me: int):
     shapes = [tuple(t.shape[:-2]) + (rows_in, t.shape[-1]) for t in ts]
     ins, outs = [0] * n, [0] * n
     ins[(me + 1) % n] = flat.numel()
-    outs[(me - 1) % n] = sum(_numel(sh) for sh in shapes)
+    outs[(me - 1) % n] = sum(math.prod(sh) for sh in shapes)
     with C.in_flight(graph=True):
         buf = C.all_to_all(flat, outs, ins, mesh, mesh_dim)
     return buf, shapes
@@ -436,16 +437,9 @@ def _arrived(pending):
     buf = C.wait_in_graph(buf)  # eagerly the in-flight tensor's wait, compiled the graph's
     out, off = [], 0
     for sh in shapes:
-        out.append(buf[off:off + _numel(sh)].view(sh))
-        off += _numel(sh)
+        out.append(buf[off:off + math.prod(sh)].view(sh))
+        off += math.prod(sh)
     return out
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 # --- attention masks -------------------------------------------------------------------------
