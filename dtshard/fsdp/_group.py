@@ -567,7 +567,6 @@ class ParamGroup:
         over the others, which FSDP does not reduce over), the terms of all FSDP ranks summing to
         the gradient; the group then sums without dividing (``gradient_divide_factor`` still
         applies when set).  The layouts come from metadata every rank shares."""
-        fsdp_ranks = sorted(self.mesh.mesh.flatten().tolist())
         plain = [i for i, g in enumerate(grads) if g is not None and type(g) is not DTensor]
         if plain and all(self.infos[i].tp is not None for i in plain):
             # tensor-parallel parameters: their DTensor.from_local (see _state._tp_param) brought
@@ -583,7 +582,7 @@ class ParamGroup:
                 "(computed with DTensor activations) and others plain ones; FSDP cannot tell whether to average "
                 "the plain ones over the data-parallel ranks. Feed the module DTensor inputs throughout (e.g. "
                 "distribute_tensor(input_ids, mesh, [Shard(0), Shard(1)])), or plain tensors throughout.")
-        fsdp_ranks = set(fsdp_ranks)
+        fsdp_ranks = set(self.mesh.mesh.flatten().tolist())
         out = []
         for g in grads:
             if g is None or type(g) is not DTensor:
