@@ -248,11 +248,21 @@ def squeeze_dims_rule(call: OpCall):
     return _dim_map_strategies(x, _squeeze_map(x, dims))
 
 
+def _whole_slice(size: int, start, end, step) -> bool:
+    """Does ``slice(start, end, step)`` of a dim of ``size`` keep every index (``x[:, :n]`` with
+    ``n >= size``, as models write to trim a cache or a mask to the length it already has)?"""
+    start = 0 if start is None else (start + size if start < 0 else start)
+    end = size if end is None else (end + size if end < 0 else end)
+    return (step is None or step == 1) and start <= 0 and end >= size
+
+
 @register_rule([aten.slice.Tensor, aten.slice_copy.Tensor])
 def slice_rule(call: OpCall):
     x = call.tensors[0]
     dim = norm_dim(call.arg(1, "dim", 0), x.ndim)
-    return _dim_map_strategies(x, {d: d for d in range(x.ndim) if d != dim})
+    # a whole slice is the identity: a shard of the sliced dim stays where it is (no exchange)
+    whole = _whole_slice(x.shape[dim], call.arg(2, "start", None), call.arg(3, "end", None), call.arg(4, "step", 1))
+    return _dim_map_strategies(x, {d: d for d in range(x.ndim) if d != dim or whole})
 
 
 @register_rule([aten.select.int, aten.select_copy.int])
@@ -289,7 +299,9 @@ def select_backward_rule(call: OpCall):
 def slice_backward_rule(call: OpCall):
     g = call.tensors[0]
     dim = norm_dim(call.arg(2, "dim"), g.ndim)
-    return _dim_map_strategies(g, {d: d for d in range(g.ndim) if d != dim})
+    size = call.arg(1, "input_sizes")[dim]
+    whole = g.shape[dim] == size and _whole_slice(size, call.arg(3, "start"), call.arg(4, "end"), call.arg(5, "step", 1))
+    return _dim_map_strategies(g, {d: d for d in range(g.ndim) if d != dim or whole})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -255,6 +255,9 @@ OWN_SAMPLES: dict = {
     aten._upsample_bilinear2d_aa.default: lambda dt: [((_t(2, 3, 5, 6), [3, 4], False), {})],
     aten._upsample_bilinear2d_aa_backward.default: lambda dt: [((_t(2, 3, 3, 4), [3, 4], [2, 3, 5, 6], False), {})],
     aten.cumprod_backward.default: lambda dt: [((_t(5, 4, seed=1), _t(5, 4), 1, _t(5, 4).cumprod(1)), {})],
+    # whole slices (the identity: a shard of the sliced dim stays), beside OpInfo's partial ones
+    aten.slice.Tensor: lambda dt: [((_t(6, 4), 0, 0, 2 ** 63 - 1), {}), ((_t(5, 4), 0, -5, None), {})],
+    aten.slice_backward.default: lambda dt: [((_t(6, 4), [6, 4], 0, 0, 6, 1), {})],
     aten._scaled_dot_product_flash_attention_for_cpu.default: lambda dt: [
         (tuple(_t(1, 2, 5, 4, seed=s) for s in range(3)), {})],
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: lambda dt: [_flash_backward()],

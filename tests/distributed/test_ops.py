@@ -107,6 +107,7 @@ _FNS = {
     "stack_unbind": lambda a: torch.stack([t * (k + 1) for k, t in enumerate(a.unbind(0))], dim=1),
     "select": lambda a: a.select(1, 0) + a[:, 1],
     "clone_detach": lambda a: a.clone() + a.detach(),
+    "whole_slice": lambda a: a[:, : a.shape[1] + 3] * 2 + a[-a.shape[0]:, 0:],
 }
 
 # (fn, shapes, placement schemes...) run on a 1-D mesh of each world size
@@ -145,6 +146,7 @@ _CASES = [
     ("select", [(5, 6)], [("S0",)], [("S1",)]),
     ("stack_unbind", [(3, 5)], [("S1",)], [("Psum",)]),
     ("clone_detach", [(5, 6)], [("S0",)], [("Psum",)]),
+    ("whole_slice", [(5, 7)], [("S0",)], [("S1",)]),
 ]
 
 _PARAMS = [
@@ -210,6 +212,22 @@ def test_tp_mlp_forward_needs_no_communication():
     """Megatron-style colwise -> rowwise MLP: h is S(1), o is Partial, no collective at all."""
     for h, o, n in run_distributed(_tp_mlp_traffic, 2):
         assert h == "(Shard(dim=1),)" and o == "(Partial(sum),)" and n == 0
+
+
+def _whole_slice_traffic():
+    m = mesh((2,))
+    x = dtshard.distribute_tensor(torch.arange(15.0).view(3, 5), m, [Shard(1)])
+    with CommCounter() as comm:
+        y = x[:, :5]  # the whole dim (models trim a cache or a mask to the length it has)
+        z = x[:, -5:]
+    return str(y.placements), str(z.placements), comm.count(), torch.equal(y.full_tensor(), z.full_tensor())
+
+
+def test_whole_slice_keeps_the_shard():
+    """Slicing a sharded dim whole is the identity: the shard stays, nothing moves (it used to
+    move the shard to another dim and back: two all_to_alls per use)."""
+    for y, z, n, same in run_distributed(_whole_slice_traffic, 2):
+        assert y == z == "(Shard(dim=1),)" and n == 0 and same
 
 
 def _inplace_and_out():
