@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 import itertools
 import math
 import warnings
@@ -33,7 +34,7 @@ from dtshard._config import config  # noqa: F401  (dtshard.config; re-exported h
 from dtshard.collectives import mesh_coordinate  # coordinate of this rank (cached)
 from dtshard.registry import OpCall, RuleEntry, get_entry, op_facts
 from dtshard.spec import (DTensorSpec, TensorMeta, contiguous_strides, is_shard, is_strided, local_region,
-                          local_shape, mesh_identity, placements_equal, placements_str, split_factor)
+                          local_shape, mesh_identity, placement_key, placements_equal, placements_str, split_factor)
 
 __all__ = ["Plan", "propagate", "NoRuleError", "RuleError", "config", "planner_accepts", "strategy_choices",
            "tensor_slot"]
@@ -371,8 +372,9 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
     choices = _expand(op, entry, mode, specs, meta_args, meta_kwargs, gflat, in_ids, out_names, fallback)
     src_pl = [s.placements for s in specs]
     inplace_view = mode == "inplace" and torch.Tag.inplace_view in op.tags
-    # per (input k, the strategy indices that give its target): bytes; combos share them on N-D meshes
+    # per (input k, its target placements): bytes, and the bound below them; choices share them
     costs: dict = {}
+    bounds: dict = {}
     # the choices that keep every input where it is cost nothing and move nothing: they sort
     # before all others, so the others are priced (a planner search per input and target) only
     # when none of these passes the local shape check
@@ -389,24 +391,43 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
             (combo, ins, outs))
 
     def price(group):
-        priced = []
-        for combo, ins, outs in group:
-            cost, n_moves = 0.0, 0
+        """``(cost, n_moves, n_rep, ins, outs)`` of each choice in ``group``, cheapest first (ties:
+        fewer moved inputs, then fewer replicated outputs, then the rule's order), lazily: on an N-D
+        mesh each exact cost is a redistribute search, so choices are priced in the order of a
+        bound their cost never goes below (R.transition_lower_bound), and one is yielded once its
+        exact cost is below every bound not yet priced: the same order as pricing them all."""
+        n_dims = len(mesh_shape)
+        items = []
+        for j, (combo, ins, outs) in enumerate(group):
+            # (input, its target, the target as a plain key: a strided shard never equals a Shard)
+            moves = [(k, target, tuple(placement_key(p) for p in target)) for k, target in enumerate(ins)
+                     if not placements_equal(target, src_pl[k])]
+            bound = 0.0
+            if n_dims > 1:
+                for k, target, key in moves:
+                    b = bounds.get((k, key))
+                    if b is None:
+                        b = bounds[(k, key)] = R.transition_lower_bound(specs[k], target)
+                    bound += b
+            n_rep = sum(type(p) is Replicate for o in outs for p in o)
+            items.append((bound * (1 - 1e-9), len(moves), n_rep, j, moves, ins, outs))
+        items.sort(key=lambda t: t[:4])
+        exact: list = []
+        for bound, n_moves, n_rep, j, moves, ins, outs in items:
+            while exact and exact[0][0] < bound:
+                yield heapq.heappop(exact)[4:]
             try:
-                for k, target in enumerate(ins):
-                    if placements_equal(target, src_pl[k]):
-                        continue
-                    n_moves += 1  # ties: prefer keeping inputs as they are, then fewer replicated outputs
-                    c = costs.get((k, combo))
+                cost = 0.0
+                for k, target, key in moves:
+                    c = costs.get((k, key))
                     if c is None:
-                        c = costs[(k, combo)] = R.transition_cost(specs[k], target)
+                        c = costs[(k, key)] = R.transition_cost(specs[k], target)
                     cost += c
             except ValueError:  # no legal path to this target
                 continue
-            n_rep = sum(type(p) is Replicate for o in outs for p in o)
-            priced.append((cost, n_moves, n_rep, ins, outs))
-        priced.sort(key=lambda t: (t[0], t[1], t[2]))
-        return priced
+            heapq.heappush(exact, (cost, n_moves, n_rep, j, cost, n_moves, n_rep, ins, outs))
+        while exact:
+            yield heapq.heappop(exact)[4:]
 
     what = "in-place op would change the placement of its self argument" if mode == "inplace" else (
         "the out= tensor's placements match no valid strategy" if mode == "out" else "no valid strategy")

@@ -21,7 +21,9 @@ The differentiable entry point lives in tensor.py (``DTensor.redistribute``); it
 redistributes the gradient back to the source placements (the dual collective).
 """
 
-from dtshard.redistribute.planning import GroupStep, Step, clear_plan_cache, plan, plan_text, transition_cost
+from dtshard.redistribute.planning import (GroupStep, Step, clear_plan_cache, plan, plan_text, transition_cost,
+                                          transition_lower_bound)
 from dtshard.redistribute.running import redistribute_local
 
-__all__ = ["Step", "GroupStep", "clear_plan_cache", "plan", "plan_text", "redistribute_local", "transition_cost"]
+__all__ = ["Step", "GroupStep", "clear_plan_cache", "plan", "plan_text", "redistribute_local", "transition_cost",
+           "transition_lower_bound"]

@@ -32,7 +32,8 @@ from dtshard.spec import (DTensorSpec, _itemsize, chunk_range, is_strided, memo,
                           placement_str, placements_str)
 from dtshard.spec import placement_kind as _kind
 
-__all__ = ["Step", "GroupStep", "all_coords", "clear_plan_cache", "plan", "plan_text", "transition_cost"]
+__all__ = ["Step", "GroupStep", "all_coords", "clear_plan_cache", "plan", "plan_text", "transition_cost",
+           "transition_lower_bound"]
 
 _R = Replicate()
 
@@ -168,6 +169,7 @@ def clear_plan_cache() -> None:
     """Forget every planned transition (benchmarks time a cold planner with it)."""
     _plan_cache.clear()
     _dijkstra_cache.clear()
+    _bound_cache.clear()
 
 
 def plan(spec: DTensorSpec, dst: Sequence[Placement]) -> tuple[Step, ...]:
@@ -527,6 +529,53 @@ def transition_cost(spec: DTensorSpec, dst: Sequence[Placement]) -> float:
     if len(dst) == 1 and not _any_strided(src, dst):  # one mesh dim (the common case): priced inline
         return _cost_1d(spec.shape, spec.mesh_shape[0], src[0], dst[0], _itemsize(spec.dtype))
     return _steps_cost(spec, plan(spec, dst))
+
+
+def transition_lower_bound(spec: DTensorSpec, dst: Sequence[Placement]) -> float:
+    """A cheap bound that :func:`transition_cost` never goes below: the bytes of the target shard
+    that the rank needing most does not already hold (its whole target shard when a Partial must be
+    reduced: it holds one term of each element).  Every plan the planner prices receives at
+    least that much on that rank (a step priced by the largest shard charges every rank as much;
+    a new Partial is made by zeroing a complete shard), so the dispatcher may price choices in the
+    order of this bound and stop at the first exact cost below the next bound (propagate.py).
+    Memoised: the planner asks for the same (layout, target) pairs across ops."""
+    dst = tuple(dst)
+    src = tuple(spec.placements)
+    if dst == src:
+        return 0.0
+    key = (tuple(placement_key(p) for p in src), tuple(placement_key(p) for p in dst), tuple(spec.shape),
+           tuple(spec.mesh_shape), _itemsize(spec.dtype))
+    return memo(_bound_cache, key, lambda: _lower_bound(spec.shape, spec.mesh_shape, src, dst) * key[-1])
+
+
+_bound_cache: dict[tuple, float] = {}
+
+
+def _lower_bound(shape, mesh_shape, src: tuple, dst: tuple) -> int:
+    # a Partial source dim not kept (the same reduction) in the target: the rank holds only a term
+    reduce = any(_kind(p) == "P" and not placement_equal(p, dst[i]) for i, p in enumerate(src))
+    need = 0
+    for c in all_coords(mesh_shape):
+        want = L.rank_box(shape, mesh_shape, dst, c)  # Partial counts as the whole extent
+        n = L.box_numel(want)
+        if n and not reduce:
+            n -= _overlap(want, L.rank_box(shape, mesh_shape, src, c))
+        need = max(need, n)
+    return need
+
+
+def _overlap(a, b) -> int:
+    """Elements two regions share (per dim, the overlap of their interval lists)."""
+    n = 1
+    for ia, ib in zip(a, b):
+        m = 0
+        for lo, hi in ia:
+            for lo2, hi2 in ib:
+                m += max(0, min(hi, hi2) - max(lo, lo2))
+        if not m:
+            return 0
+        n *= m
+    return n
 
 
 def plan_text(spec: DTensorSpec, dst: Sequence[Placement]) -> str:
