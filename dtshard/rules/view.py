@@ -84,18 +84,23 @@ def view_rule(call: OpCall):
     if 0 in x.shape or 0 in out_shape:
         return strategies
     strided_in = call.strided[0] if call.strided else ()
+    seen = set()  # (out dim, out split factor, in dim, in split factor): placements compare slowly
     for ins, outs in view_groups(x.shape, out_shape):
         first_in = next((d for d in ins if x.shape[d] != 1), None)
         first_out = next((d for d in outs if out_shape[d] != 1), None)
+        keys = []
         if first_in is not None and first_out is not None:
-            strategies.append(((Shard(first_out),), (Shard(first_in),)))
+            keys.append((first_out, 1, first_in, 1))
         elif first_in is None and first_out is None and ins and outs:
             # a group of size-1 dims ((1, 6) -> (1, 2, 3): dim 0 -> dim 0): a size-1 dim sharded
             # over the mesh (one rank holds it, the others nothing) stays the same layout as a
             # size-1 dim of the view, so the view keeps aliasing, as in PyTorch
-            strategies.append(((Shard(outs[0]),), (Shard(ins[0]),)))
-        strategies.extend(st for st in _strided_view_strategies(x.shape, out_shape, ins, outs, first_in, strided_in)
-                          if st not in strategies)
+            keys.append((outs[0], 1, ins[0], 1))
+        keys += _strided_view_strategies(x.shape, out_shape, ins, outs, first_in, strided_in)
+        for key in keys:
+            if key not in seen:
+                seen.add(key)
+                strategies.append(((_placement(key[0], key[1]),), (_placement(key[2], key[3]),)))
     return strategies
 
 
@@ -104,7 +109,8 @@ def _placement(dim: int, sf: int):
 
 
 def _strided_view_strategies(in_shape, out_shape, ins, outs, first_in, strided_in):
-    """Shards that a merge or split of dims keeps as strided shards (no data moves).
+    """Shards that a merge or split of dims keeps as strided shards (no data moves), as
+    ``(out dim, out split factor, in dim, in split factor)``.
 
     Within a group of merged/split dims, a shard of input dim ``i`` (split factor ``sf``) holds,
     for each of the ``E = sf x (product of the group's dims before i)`` outer blocks of the
@@ -139,9 +145,7 @@ def _strided_view_strategies(in_shape, out_shape, ins, outs, first_in, strided_i
                 for j in outs:
                     b = out_shape[j]
                     if b != 1 and p_j <= e < p_j * b and e % p_j == 0 and b % (e // p_j) == 0:
-                        strategy = ((_placement(j, e // p_j),), (_placement(i, sf_in),))
-                        if strategy not in out:
-                            out.append(strategy)
+                        out.append((j, e // p_j, i, sf_in))
                         break
                     p_j *= b
     return out
