@@ -1059,10 +1059,16 @@ def _compile_variants(factories, x, args, rank, small):
         wall, cpu, _ = bench_interleaved(compiled_steps, reps=reps, target_block_s=0, max_total_s=1e9,
                                          min_reps=reps, inner={k: (5 if small else 1) for k in compiled_steps},
                                          cpu_clock=time.process_time_ns)
+        # the first TP variant (the reference implementation's) is the yardstick of the others,
+        # repetition by repetition (the variants run interleaved: the same machine noise)
+        ref_key = next((k for k in compiled_steps if k.startswith("tp:")), None)
         for k in compiled_steps:
             summ = summarize(wall[k], cpu[k], wall["local_equiv"], cpu["local_equiv"])
             summ["median_ms"] = summ["median_us"] / 1e3
             summ["cpu_median_ms"] = summ["cpu_median_us"] / 1e3
+            if k.startswith("tp:") and k != ref_key:
+                summ["wall_ratio_vs_ref"] = _ratio(wall[k], wall[ref_key])
+                summ["cpu_ratio_vs_ref"] = _ratio(cpu[k], cpu[ref_key])
             out[k].update(summ)
     return out
 
@@ -1408,7 +1414,8 @@ def _train_rows(data, rank=0):
                             + [""] * 8 + [gb])
                 continue
             rows.append([cfg, k + " (compile)", _f(r.get("median_ms"), "{:.2f}"), _f(r.get("ratio"), "{:.2f}"),
-                         _f(r.get("cpu_median_ms"), "{:.2f}"), _f(r.get("cpu_ratio"), "{:.2f}"), "", "",
+                         _f(r.get("cpu_median_ms"), "{:.2f}"), _f(r.get("cpu_ratio"), "{:.2f}"),
+                         _f(r.get("wall_ratio_vs_ref"), "{:.2f}"), _f(r.get("cpu_ratio_vs_ref"), "{:.2f}"),
                          _f(r.get("first_step_incl_compile_s"), "{:.1f}") + " s incl. compile",
                          _f(abs(r["first_loss"] - row["ref_loss"])
                             if r.get("first_loss") is not None and k != "local_equiv" else None, "{:.1e}"),
