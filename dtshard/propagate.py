@@ -482,7 +482,8 @@ def _expand(op, entry, mode, specs, meta_args, meta_kwargs, gflat, in_ids, out_n
                       kwargs={k: _to_meta_info(v, specs) for k, v in meta_kwargs.items() if k not in out_names},
                       tensors=tuple(specs[k].tensor_meta for k in in_ids),
                       strided=tuple(tuple((p.dim, split_factor(p)) for p in specs[k].placements if is_strided(p))
-                                    for k in in_ids))
+                                    for k in in_ids),
+                      sharded=tuple(tuple(p.dim for p in specs[k].placements if is_shard(p)) for k in in_ids))
         try:
             raw = list(entry.fn(call))
         except RuleError:

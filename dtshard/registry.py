@@ -63,6 +63,11 @@ class OpCall:
     #: shard in a new form (view's merges and splits) need it: every other rule's ``Shard``
     #: strategies are carried over to strided inputs by the planner (see propagate.py).
     strided: tuple[tuple[tuple[int, int], ...], ...] = ()
+    #: per DTensor arg (as ``tensors``): the tensor dim each of its sharding mesh dims shards, in
+    #: mesh order (``(Shard(0), Replicate(), Shard(1))`` -> ``(0, 1)``); None where unknown.  A
+    #: rule may offer fewer strategies when at most one mesh dim shards what it looks at (view:
+    #: the block counts of a dim cut by two mesh dims).
+    sharded: tuple[tuple[int, ...], ...] | None = None
 
     def arg(self, index: int, name: str, default: Any = None) -> Any:
         """Positional-or-keyword argument lookup (aten schemas allow both)."""

@@ -96,7 +96,10 @@ def view_rule(call: OpCall):
             # over the mesh (one rank holds it, the others nothing) stays the same layout as a
             # size-1 dim of the view, so the view keeps aliasing, as in PyTorch
             keys.append((outs[0], 1, ins[0], 1))
-        keys += _strided_view_strategies(x.shape, out_shape, ins, outs, first_in, strided_in)
+        # two mesh dims cutting this group (a flattened (batch, sequence) on (dp, cp)): the block
+        # counts of _strided_view_strategies' divisors and multiples; unknown (None): offer them
+        nested = call.sharded is None or sum(d in ins for d in call.sharded[0]) > 1
+        keys += _strided_view_strategies(x.shape, out_shape, ins, outs, first_in, strided_in, nested)
         for key in keys:
             if key not in seen:
                 seen.add(key)
@@ -108,7 +111,7 @@ def _placement(dim: int, sf: int):
     return Shard(dim) if sf == 1 else _StridedShard(dim, split_factor=sf)
 
 
-def _strided_view_strategies(in_shape, out_shape, ins, outs, first_in, strided_in):
+def _strided_view_strategies(in_shape, out_shape, ins, outs, first_in, strided_in, nested=True):
     """Shards that a merge or split of dims keeps as strided shards (no data moves), as
     ``(out dim, out split factor, in dim, in split factor)``.
 
@@ -138,9 +141,9 @@ def _strided_view_strategies(in_shape, out_shape, ins, outs, first_in, strided_i
             # E outer blocks; when another mesh dim also shards the group (the batch of a flattened
             # (batch, sequence) on a (dp, cp) mesh), this mesh dim's shards are cut from that
             # dim's chunks, which hold fewer or more of the blocks than E, by the other dim's
-            # number of shards: a rule cannot see it, so the divisors and multiples of E are
-            # offered too (the planner's region check keeps only what lines up exactly)
-            for e in _block_counts(prefix * sf_in, group):
+            # number of shards, which the rule does not know: then (``nested``) the divisors and
+            # multiples of E are offered too (the planner's region check keeps only what lines up)
+            for e in (_block_counts(prefix * sf_in, group) if nested else (prefix * sf_in,)):
                 p_j = 1
                 for j in outs:
                     b = out_shape[j]
