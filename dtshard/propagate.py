@@ -431,10 +431,11 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
 
     what = "in-place op would change the placement of its self argument" if mode == "inplace" else (
         "the out= tensor's placements match no valid strategy" if mode == "out" else "no valid strategy")
-    no_strategy = (f"{_error_context(op, specs)}: {what}. Redistribute the tensor first, or use the "
-                   "out-of-place op.")
+
+    def no_strategy() -> str:  # built only when raised (an error context formats every spec)
+        return f"{_error_context(op, specs)}: {what}. Redistribute the tensor first, or use the out-of-place op."
     if not kept and not moved:
-        raise RuntimeError(no_strategy)
+        raise RuntimeError(no_strategy())
 
     # 4. first choice that passes the local shape check
     shapes_fn = meta_fn if not shape_args else None
@@ -462,7 +463,7 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
             targets = tuple(None if t == s.placements else t for s, t in zip(specs, ins))
             return Plan(op, targets, out_specs, overrides, mode, cost, tuple(considered), fallback, local_op)
     if not considered:  # every strategy needs a move that has no legal path
-        raise RuntimeError(no_strategy)
+        raise RuntimeError(no_strategy())
     raise RuntimeError(
         f"{_error_context(op, specs)}: no strategy passed the local shape check (not even "
         f"all-Replicate); this is a dtshard bug, please report it with this message."
