@@ -176,6 +176,9 @@ class ParamGroup:
         self.force_sum_reduction = False  # divide outside the collectives (see _divide_plan)
         #: the gradients came as DTensors of one global loss (see _global_loss_grads): summed, not averaged
         self.global_loss = False
+        #: indices of TP parameters whose gradient of this backward is this rank's TERM of a sum
+        #: over FSDP's ranks (``_state._outer_terms``), not the value every rank holds
+        self._grad_terms: set = set()
         self.all_reduce_hook = None  # (hook, stream): called on the reduced flat gradient shard
         self.reduce_unused = False  # set a (zero-based) .grad for parameters no rank's backward reached
         self.unshard_in_backward = True
@@ -520,7 +523,7 @@ class ParamGroup:
         got = [g is not None for g in grads]
         if not any(got):
             return None
-        if any(type(g) is DTensor for g in grads):
+        if self._grad_terms or any(type(g) is DTensor for g in grads):
             grads = self._global_loss_grads(grads)
         with torch.no_grad():
             if self._acc is not None:
@@ -568,13 +571,16 @@ class ParamGroup:
         the gradient; the group then sums without dividing (``gradient_divide_factor`` still
         applies when set).  The layouts come from metadata every rank shares."""
         plain = [i for i, g in enumerate(grads) if g is not None and type(g) is not DTensor]
+        terms, self._grad_terms = self._grad_terms, set()
         if plain and all(self.infos[i].tp is not None for i in plain):
-            # tensor-parallel parameters: their DTensor.from_local (see _state._tp_param) brought
-            # the activations' larger mesh down to the TP mesh, reducing the other dims, so each
-            # holds the FULL TP-local gradient on every FSDP rank: the first FSDP rank's copy is
-            # the term (Replicate -> Partial, exact), the others add zeros
+            # tensor-parallel parameters: those _state._outer_terms saw hold this rank's term of
+            # the sum over FSDP's ranks; for the others, DTensor.from_local (see _state._tp_param)
+            # brought the activations' larger mesh down to the TP mesh, reducing the other dims,
+            # so each holds the FULL TP-local gradient on every FSDP rank: the first FSDP rank's
+            # copy is the term (Replicate -> Partial, exact), the others add zeros
             first = not any(C.mesh_coordinate(self.mesh))
-            grads = [(g if first else torch.zeros_like(g)) if i in plain else g for i, g in enumerate(grads)]
+            grads = [(g if first or i in terms else torch.zeros_like(g)) if i in plain else g
+                     for i, g in enumerate(grads)]
             plain = []
         if plain:
             raise RuntimeError(
@@ -614,6 +620,20 @@ class ParamGroup:
                 out.append(g.redistribute(mesh, target)._local_tensor)
         self.global_loss = True
         return out
+
+    def mark_grad_term(self, index: int) -> None:
+        """This backward's gradient of parameter ``index`` is this rank's term of a sum over
+        FSDP's ranks (``_state._outer_terms``): the group sums the terms, counting each once."""
+        self._grad_terms.add(index)
+
+    def outer_dims_are_fsdp(self, mesh, dims) -> bool:
+        """Do the ranks of ``mesh`` along ``dims`` through this rank (a gradient's Partial dims
+        outside a TP parameter's own mesh) make up exactly FSDP's ranks?  From metadata alone."""
+        coord = C.mesh_coordinate(mesh)
+        if not dims or coord is None:
+            return False
+        index = tuple(slice(None) if d in dims else c for d, c in enumerate(coord))
+        return set(mesh.mesh[index].flatten().tolist()) == set(self.mesh.mesh.flatten().tolist())
 
     def _keep_partial(self, out: torch.Tensor, got: list) -> None:
         """``set_requires_all_reduce(False)``: keep this reduction's output (summed over the

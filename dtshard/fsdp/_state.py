@@ -24,7 +24,9 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_map
 
-from torch.distributed.tensor.placement_types import Replicate
+from torch.distributed.tensor.placement_types import Partial, Replicate
+
+from dtshard import collectives as C
 
 from dtshard.fsdp._group import ParamGroup
 from dtshard.hooks import in_graph
@@ -238,7 +240,7 @@ class FSDPState:
             fulls = [_spmd_param(full, *info.spmd[:3], tuple(sorted(info.spmd[3]))) if info.spmd is not None else full
                      for full, info in zip(fulls, g.infos)]
         elif g.has_tp:
-            fulls = [full if info.tp is None else _tp_param(full, info) for full, info in zip(fulls, g.infos)]
+            fulls = [full if info.tp is None else _tp_param(full, info, g, k) for k, (full, info) in enumerate(zip(fulls, g.infos))]
         for full, info in zip(fulls, g.infos):
             for owner, name in info.owners:
                 owner.__dict__[name] = full
@@ -405,7 +407,7 @@ def _spmd_param(local: torch.Tensor, mesh, placements, shape, dp_dims) -> torch.
     return _SpmdParam.apply(local, (mesh, placements, shape, dp_dims))
 
 
-def _tp_param(local: torch.Tensor, info) -> torch.Tensor:
+def _tp_param(local: torch.Tensor, info, group: Optional[ParamGroup] = None, index: int = 0) -> torch.Tensor:
     """FSDP x TP: the gathered TP-local parameter as the module's tensor-parallel DTensor (its
     mesh, placements and global shape from before ``fully_shard``).  Differentiable: in backward
     its gradient is brought to those placements (a Partial over the TP mesh, the gradient of a
@@ -416,11 +418,41 @@ def _tp_param(local: torch.Tensor, info) -> torch.Tensor:
     if info.tp_inside:
         # data x spatial: keep the gradient a Partial over the spatial mesh (no all_reduce); FSDP's
         # reduce_scatter over the whole (dp x sp) mesh sums those terms with the other replicas'
-        from torch.distributed.tensor.placement_types import Partial
-
         grad_placements = tuple(Partial() for _ in placements)
-    return DTensor.from_local(local, mesh, placements, shape=shape, stride=contiguous_strides(shape),
+    full = DTensor.from_local(local, mesh, placements, shape=shape, stride=contiguous_strides(shape),
                               grad_placements=grad_placements)
+    if group is not None and not torch.compiler.is_compiling() and full.grad_fn is not None:
+        # a pre-hook of from_local's backward node (a tensor hook on its DTensor output is not
+        # called: autograd treats that output as a view of the local tensor)
+        full.grad_fn.register_prehook(lambda grads: _outer_terms(grads, group, index, mesh))
+    return full
+
+
+def _outer_terms(grads: tuple, group: ParamGroup, index: int, mesh):
+    """The gradient of a TP parameter that joined ops on the activations' larger mesh (CP x FSDP
+    x TP: a ``(dp, cp, tp)`` mesh, the parameter on ``mesh["tp"]``) arrives there as a Partial
+    over the other dims.  ``from_local``'s backward would all-reduce it over them (the value every
+    rank then holds), and FSDP would reduce-scatter one copy of it over the same ranks: twice the
+    traffic.  When the other dims are exactly FSDP's ranks, this rank's TERM goes to FSDP instead
+    (Partial(sum) on those dims: a Replicate one is zeroed but at coordinate 0, no traffic) and
+    the group's one reduce_scatter sums the terms (``ParamGroup._global_loss_grads``).  The term
+    enters ``from_local``'s backward as a DTensor on the parameter's own mesh whose local tensor
+    is the term, for that one node only (a pre-hook of the node that FSDP's internal unsharded
+    parameter came from; nothing else reads that gradient).  Eager only (a compiled graph has no
+    such mixed-mesh gradient)."""
+    grad = grads[0]
+    if type(grad) is not DTensor or grad._spec.mesh is mesh:
+        return None
+    big = grad._spec.mesh
+    dims = C.sub_mesh_dims(big, mesh)
+    if dims is None or not group.outer_dims_are_fsdp(big, [d for d in range(big.ndim) if d not in dims]):
+        return None  # the backward's own lowering (reduce, then FSDP counts one copy)
+    target = tuple(p if d in dims else Partial("sum") for d, p in enumerate(grad._spec.placements))
+    if target != grad._spec.placements:
+        grad = grad.redistribute(big, target)
+    group.mark_grad_term(index)
+    return (DTensor.from_local(grad.to_local(), mesh, tuple(target[d] for d in dims), shape=grad.shape,
+                               stride=grad.stride(), run_check=False),)
 
 
 def _in_backward() -> bool:
