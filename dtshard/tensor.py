@@ -613,8 +613,11 @@ class _FromLocal(torch.autograd.Function):
     def forward(ctx, local: torch.Tensor, spec: DTensorSpec, grad_placements):
         ctx.spec = spec
         ctx.grad_placements = grad_placements
-        # a fresh alias, so autograd sees a new tensor (as PyTorch's from_local does)
-        return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
+        # a fresh alias, so autograd sees a new tensor (as PyTorch's from_local does).  Built
+        # without requires_grad: autograd marks a Function's outputs itself, and a DTensor built
+        # requiring grad is a leaf that installs leaf hooks (_install_grad_hooks), whose hook dict
+        # then never reaches this node: a user's out.register_hook(...) would never be called
+        return DTensor(local.view_as(local), spec, requires_grad=False)
 
     @staticmethod
     def backward(ctx, grad):
@@ -663,7 +666,7 @@ class _Redistribute(torch.autograd.Function):
         src = dt._spec
         ctx.src = src
         local = redistribute_local(resolved_local(dt), src, placements, async_op=async_op)  # conj / neg applied
-        return DTensor(local, src.with_placements(placements), requires_grad=dt.requires_grad)
+        return DTensor(local, src.with_placements(placements), requires_grad=False)  # see _FromLocal
 
     @staticmethod
     def backward(ctx, grad):
@@ -694,7 +697,7 @@ class _RedistributeCast(torch.autograd.Function):
             local = local.to(dtype)
         spec = _with_dtype(src, dtype)
         out = redistribute_local(local, spec, placements)
-        return DTensor(out, spec.with_placements(placements), requires_grad=dt.requires_grad)
+        return DTensor(out, spec.with_placements(placements), requires_grad=False)  # see _FromLocal
 
     @staticmethod
     def backward(ctx, grad):

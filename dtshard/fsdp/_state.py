@@ -385,7 +385,8 @@ class _SpmdParam(torch.autograd.Function):
         mesh, placements, shape, _ = layout
         ctx.layout = layout
         spec = DTensorSpec(mesh, placements, shape, contiguous_strides(shape), local.dtype)
-        return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
+        # autograd marks the output (see tensor._FromLocal: a DTensor built requiring grad is a leaf)
+        return DTensor(local.view_as(local), spec, requires_grad=False)
 
     @staticmethod
     def backward(ctx, grad):
@@ -422,8 +423,7 @@ def _tp_param(local: torch.Tensor, info, group: Optional[ParamGroup] = None, ind
     full = DTensor.from_local(local, mesh, placements, shape=shape, stride=contiguous_strides(shape),
                               grad_placements=grad_placements)
     if group is not None and not torch.compiler.is_compiling() and full.grad_fn is not None:
-        # a pre-hook of from_local's backward node (a tensor hook on its DTensor output is not
-        # called: autograd treats that output as a view of the local tensor)
+        # a pre-hook of from_local's backward node: it replaces the gradient that node receives
         full.grad_fn.register_prehook(lambda grads: _outer_terms(grads, group, index, mesh))
     return full
 

@@ -613,3 +613,31 @@ def _async_redistribute():
 
 def test_async_redistribute():  # item 6
     assert all(run_distributed(_async_redistribute, 2))
+
+
+def _tensor_hooks_on_outputs():
+    """``register_hook`` on the DTensor that ``from_local``, ``redistribute`` (with and without a
+    dtype cast) return is called in backward with the DTensor gradient, as in PyTorch (dtshard
+    built those outputs as leaves requiring grad inside the autograd Function: the hooks went into
+    a dict no node read, and were silently never called)."""
+    mesh = dtshard.init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    full = torch.randn(4, 6)
+    out = {}
+    for name, lib in LIBS.items():
+        w = full.clone().requires_grad_()
+        seen = []
+        d = lib.DTensor.from_local(w * 1, mesh, [Replicate()])
+        r = d.redistribute(mesh, [Shard(0)])
+        c = r.redistribute(mesh, [Shard(1)], forward_dtype=torch.float64)
+        for what, t in (("from_local", d), ("redistribute", r), ("cast", c)):
+            t.register_hook(lambda g, what=what: seen.append((what, type(g).__name__, tuple(g.placements))))
+        (c * 2).sum().backward()
+        out[name] = (sorted(seen), w.grad)
+    assert out["dtshard"][0] == out["torch"][0] and len(out["dtshard"][0]) == 3, out
+    assert torch.equal(out["dtshard"][1], out["torch"][1])
+    return True
+
+
+def test_tensor_hooks_on_from_local_and_redistribute_outputs():
+    assert all(run_distributed(_tensor_hooks_on_outputs, 2))
