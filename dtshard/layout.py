@@ -26,7 +26,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from dtshard.spec import Region, local_region, memo, placement_key
 
-__all__ = ["Box", "Region", "rank_box", "box_numel", "group_coords", "ExchangePlan", "exchange_plan",
+__all__ = ["Box", "Region", "rank_box", "box_numel", "overlap_numel", "group_coords", "ExchangePlan", "exchange_plan",
            "exchange_costs"]
 
 Box = tuple[tuple[int, int], ...]  # (start, stop) per tensor dim: one atom
@@ -46,6 +46,20 @@ _costs_cache: dict[tuple, tuple[int, ...] | None] = {}
 
 def box_numel(r: Region) -> int:
     return math.prod(sum(hi - lo for lo, hi in ivs) for ivs in r)
+
+
+def overlap_numel(a: Region, b: Region) -> int:
+    """Elements two regions share (per dim, the overlap of their interval lists)."""
+    n = 1
+    for ia, ib in zip(a, b):
+        m = 0
+        for lo, hi in ia:
+            for lo2, hi2 in ib:
+                m += max(0, min(hi, hi2) - max(lo, lo2))
+        if not m:
+            return 0
+        n *= m
+    return n
 
 
 def _atom_numel(a: Box) -> int:

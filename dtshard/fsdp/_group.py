@@ -588,7 +588,7 @@ class ParamGroup:
                 "(computed with DTensor activations) and others plain ones; FSDP cannot tell whether to average "
                 "the plain ones over the data-parallel ranks. Feed the module DTensor inputs throughout (e.g. "
                 "distribute_tensor(input_ids, mesh, [Shard(0), Shard(1)])), or plain tensors throughout.")
-        fsdp_ranks = set(self.mesh.mesh.flatten().tolist())
+        fsdp_ranks = self._fsdp_ranks()
         out = []
         for g in grads:
             if g is None or type(g) is not DTensor:
@@ -633,7 +633,10 @@ class ParamGroup:
         if not dims or coord is None:
             return False
         index = tuple(slice(None) if d in dims else c for d, c in enumerate(coord))
-        return set(mesh.mesh[index].flatten().tolist()) == set(self.mesh.mesh.flatten().tolist())
+        return set(mesh.mesh[index].flatten().tolist()) == self._fsdp_ranks()
+
+    def _fsdp_ranks(self) -> set:
+        return set(self.mesh.mesh.flatten().tolist())
 
     def _keep_partial(self, out: torch.Tensor, got: list) -> None:
         """``set_requires_all_reduce(False)``: keep this reduction's output (summed over the

@@ -408,7 +408,7 @@ def _spmd_param(local: torch.Tensor, mesh, placements, shape, dp_dims) -> torch.
     return _SpmdParam.apply(local, (mesh, placements, shape, dp_dims))
 
 
-def _tp_param(local: torch.Tensor, info, group: Optional[ParamGroup] = None, index: int = 0) -> torch.Tensor:
+def _tp_param(local: torch.Tensor, info, group: ParamGroup, index: int) -> torch.Tensor:
     """FSDP x TP: the gathered TP-local parameter as the module's tensor-parallel DTensor (its
     mesh, placements and global shape from before ``fully_shard``).  Differentiable: in backward
     its gradient is brought to those placements (a Partial over the TP mesh, the gradient of a
@@ -422,7 +422,7 @@ def _tp_param(local: torch.Tensor, info, group: Optional[ParamGroup] = None, ind
         grad_placements = tuple(Partial() for _ in placements)
     full = DTensor.from_local(local, mesh, placements, shape=shape, stride=contiguous_strides(shape),
                               grad_placements=grad_placements)
-    if group is not None and not torch.compiler.is_compiling() and full.grad_fn is not None:
+    if not torch.compiler.is_compiling() and full.grad_fn is not None:
         # a pre-hook of from_local's backward node: it replaces the gradient that node receives
         full.grad_fn.register_prehook(lambda grads: _outer_terms(grads, group, index, mesh))
     return full

@@ -559,23 +559,9 @@ def _lower_bound(shape, mesh_shape, src: tuple, dst: tuple) -> int:
         want = L.rank_box(shape, mesh_shape, dst, c)  # Partial counts as the whole extent
         n = L.box_numel(want)
         if n and not reduce:
-            n -= _overlap(want, L.rank_box(shape, mesh_shape, src, c))
+            n -= L.overlap_numel(want, L.rank_box(shape, mesh_shape, src, c))
         need = max(need, n)
     return need
-
-
-def _overlap(a, b) -> int:
-    """Elements two regions share (per dim, the overlap of their interval lists)."""
-    n = 1
-    for ia, ib in zip(a, b):
-        m = 0
-        for lo, hi in ia:
-            for lo2, hi2 in ib:
-                m += max(0, min(hi, hi2) - max(lo, lo2))
-        if not m:
-            return 0
-        n *= m
-    return n
 
 
 def plan_text(spec: DTensorSpec, dst: Sequence[Placement]) -> str:
