@@ -26,14 +26,16 @@ the whole run; every section also has its own cap), and prints ONE table at the 
    where a redistribute moves nothing, so the multi-rank packing paths run in ``4-triton-e2e-interp``.
 5. ``5-attention-cp``: ``bench_attention_cp.py`` (``CP_ARGS``: S = 4K and 8K, 4 ranks, MHA) on the
    machine's CPU cores: every context-parallel strategy's step, bytes and peak memory per rank
-   against one process.  The strategies of ``rules/attention_cp.py`` are handlers of the CPU
-   fused op ``aten._scaled_dot_product_flash_attention_for_cpu``; on CUDA tensors SDPA dispatches
-   to other ops (flash / efficient / cuDNN attention), which have none, so GPU context
-   parallelism is NOT covered: the section runs CPU tensors on gloo, records which ops SDPA runs
-   on a CUDA tensor, and says so in its row.  It runs only where CUDA is (sized for a GPU host's
-   cores; on the 2-core development machine run the script itself); it runs after every other
-   section, on the budget they leave, and is skipped (not failed) when none is left (``--only 5-``
-   runs it alone).
+   against one process (CPU tensors on gloo: one GPU cannot hold several NCCL ranks).  It runs
+   only where CUDA is (sized for a GPU host's cores; on the 2-core development machine run the
+   script itself); it runs after every other section, on the budget they leave, and is skipped
+   (not failed) when none is left (``--only 5-`` runs it alone).
+6. ``6-attention-cuda``: the CUDA fused attention kernels (flash, efficient, cuDNN) that SDPA runs
+   on a GPU, called as the context-parallel strategies call them (4x4 blocks through the kernel
+   adapters of ``rules/attention_cp.py``, merged by log-sum-exp; each block's backward with the
+   whole output and log-sum-exp) against one call of the same kernel, and SDPA on sequence- and
+   head-sharded DTensors of a 1-rank NCCL mesh against plain tensors.  The CPU suite runs the same
+   paths on CPU stand-ins of these kernels (``tests/distributed/test_sdpa_cuda_kernels.py``).
 
 Always run (any machine): ``2-bench-cli`` (``bench_kernels.py --quick`` as a smoke run, on the GPU
 if there is one) and ``4-triton-e2e-interp`` (the workload of 4 on 2 gloo ranks, CPU tensors,
@@ -695,7 +697,6 @@ def section_e2e_interp(deadline):
 # S = 4K and 8K on 4 gloo ranks, MHA (every strategy applies): a configuration the 2-core
 # development machine cannot time, a minute or two on 16 cores
 CP_ARGS = ["--seqs", "4096,8192", "--ranks", "4", "--reps", "1", "--heads", "mha"]
-CP_FWD = "aten._scaled_dot_product_flash_attention_for_cpu"
 
 
 def _sdpa_ops_on_cuda() -> list[str]:
@@ -720,11 +721,7 @@ def _sdpa_ops_on_cuda() -> list[str]:
 
 
 def section_attention_cp(deadline: float) -> list[dict]:
-    """bench_attention_cp.py at CP_ARGS (CPU tensors, gloo: the strategies of
-    ``rules/attention_cp.py`` are handlers of the CPU fused op only), and which ops SDPA runs on
-    CUDA tensors, to say that the strategies do not cover them."""
-    import torch
-
+    """bench_attention_cp.py at CP_ARGS (CPU tensors, gloo)."""
     cmd = [sys.executable, os.path.join(HERE, "bench_attention_cp.py")] + CP_ARGS
     t0 = time.time()
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(1.0, deadline - time.time()))
@@ -740,14 +737,121 @@ def section_attention_cp(deadline: float) -> list[dict]:
                + (f"; peak/rank / one process {min(peaks):.2f}-{max(peaks):.2f}" if peaks else ""))
     if p.returncode:
         numbers += f"; exit {p.returncode}"
-    if torch.cuda.is_available():
-        ops = _sdpa_ops_on_cuda()
-        note = (f"on CUDA tensors SDPA runs {', '.join(ops) or '?'}"
-                + ("" if any(o.endswith("for_cpu") for o in ops) else
-                   f": no context-parallel handler (they are registered for {CP_FWD}), so GPU CP is NOT covered"))
-        print("NOTE: " + note, flush=True)
-        numbers += "; " + note
-    return [_row("5-attention-cp", "PASS" if ok else "FAIL", numbers, "runs (CPU strategies only)", ok)]
+    return [_row("5-attention-cp", "PASS" if ok else "FAIL", numbers, "runs (CPU tensors)", ok)]
+
+
+# =============================================================================================
+# section 6: the CUDA attention kernels as context parallelism calls them
+# =============================================================================================
+
+
+def _attention_block_rows(device: str, L: int = 512) -> list[dict]:
+    """Section 6's block checks (on ``device``: "cpu" runs them on the CPU suite's stand-ins)."""
+    import torch
+
+    from dtshard.rules import attention_cp as A
+
+    rows_out = []
+    g = torch.Generator(device=device).manual_seed(0)
+    B, H, E, n = 2, 8, 64, 4
+    for kind, dtype, causal, windowed in [("flash", torch.bfloat16, False, False), ("flash", torch.bfloat16, True, False),
+                                          ("efficient", torch.float32, True, False),
+                                          ("efficient", torch.float32, False, True),
+                                          ("cudnn", torch.bfloat16, True, False)]:
+        fwd = {"flash": torch.ops.aten._scaled_dot_product_flash_attention.default,
+               "efficient": torch.ops.aten._scaled_dot_product_efficient_attention.default,
+               "cudnn": torch.ops.aten._scaled_dot_product_cudnn_attention.default}[kind]
+        kern = A._FAMILIES[fwd].kernel
+        q, k, v, go = (torch.randn(B, H, L, E, device=device, dtype=dtype, generator=g) for _ in range(4))
+        mask = None
+        if windowed:
+            i = torch.arange(L, device=device)
+            keep = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < L // 5)
+            mask = torch.zeros(L, L, device=device, dtype=dtype).masked_fill(~keep, float("-inf"))
+        name = f"{kind} {str(dtype)[6:]}{' causal' if causal else ''}{' window' if windowed else ''}"
+        try:
+            want, want_lse = kern(q, k, v, 0.0, causal, attn_mask=mask)
+            wq, wk, wv = kern.backward(go, q, k, v, want, want_lse, 0.0, causal, attn_mask=mask)
+            chunk = L // n
+            outs, lses = [], []
+            dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+            for r in range(n):
+                rows = ((r * chunk, (r + 1) * chunk),)
+                ql = q[..., r * chunk:(r + 1) * chunk, :]
+                merge = A._Merge(ql, E, torch.float32)
+                for c in range(n):
+                    keys = ((c * chunk, (c + 1) * chunk),)
+                    kb, vb = k[..., c * chunk:(c + 1) * chunk, :], v[..., c * chunk:(c + 1) * chunk, :]
+                    # (the whole mask: _forward_block slices it by global positions)
+                    A._forward_block(kern, merge, ql, kb, vb, rows, keys, causal, None, mask)
+                o, lse = merge.result()
+                outs.append(o)
+                lses.append(lse)
+            out, lse = torch.cat(outs, -2), torch.cat(lses, -1)
+            for r in range(n):
+                sl = slice(r * chunk, (r + 1) * chunk)
+                rows = ((r * chunk, (r + 1) * chunk),)
+                for c in range(n):
+                    keys = ((c * chunk, (c + 1) * chunk),)
+                    cs = slice(c * chunk, (c + 1) * chunk)
+                    A._backward_block(kern.backward, (dq[..., sl, :], dk[..., cs, :], dv[..., cs, :]), go[..., sl, :],
+                                      q[..., sl, :], k[..., cs, :], v[..., cs, :], want[..., sl, :],
+                                      want_lse[..., sl], rows, keys, causal, None, mask)
+            errs = [((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+                    for a, b in ((out, want), (lse, want_lse), (dq, wq), (dk, wk), (dv, wv))]
+            tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+            ok = max(errs) < tol
+            rows_out.append(_row("6-attention-cuda", "PASS" if ok else "FAIL",
+                                 f"{name}: 4x4 blocks vs one call, max rel err out/lse/dq/dk/dv "
+                                 + " ".join(f"{e:.1e}" for e in errs), f"< {tol:g}", ok))
+        except Exception as e:  # noqa: BLE001 - reported in the table
+            traceback.print_exc()
+            rows_out.append(_row("6-attention-cuda", "FAIL", f"{name}: {type(e).__name__}: {str(e)[:200]}",
+                                 "runs", False))
+    return rows_out
+
+
+def section_attention_cuda(deadline: float) -> list[dict]:
+    """The CUDA fused kernels (flash, efficient, cuDNN) called as ``rules/attention_cp.py``'s
+    strategies call them: q's rows and the keys cut into 4 chunks, every (row chunk, key chunk)
+    block through the kernel adapter (causal blocks square, the efficient kernel's padded
+    log-sum-exp, an aligned bias) merged through the log-sum-exps, and the backward of each block
+    with the whole output and log-sum-exp: against one call of the same kernel (bf16; fp32 for
+    efficient).  Then ``F.scaled_dot_product_attention`` on sequence-sharded DTensors of a 1-rank
+    NCCL mesh (the handlers and rules of those ops, forward and backward) against plain tensors."""
+    import torch
+    import torch.nn.functional as F
+
+    import dtshard
+
+    t0 = time.time()
+    rows_out = _attention_block_rows("cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    # SDPA on DTensors of a 1-rank NCCL mesh: the CUDA ops' handlers and rules end to end
+    try:
+        _init_world_of_one("nccl")
+        mesh = dtshard.init_device_mesh("cuda", (1,))
+        q, k, v, go = (torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+        ref = [t.clone().requires_grad_() for t in (q, k, v)]
+        want = F.scaled_dot_product_attention(*ref, is_causal=True)
+        want.backward(go)
+        errs = []
+        for placements in ([dtshard.Shard(2)], [dtshard.Shard(1)]):
+            dts = [dtshard.distribute_tensor(t, mesh, placements).requires_grad_() for t in (q, k, v)]
+            out = F.scaled_dot_product_attention(*dts, is_causal=True)
+            out.backward(dtshard.distribute_tensor(go, mesh, placements))
+            for a, b in zip([out] + [d.grad for d in dts], [want] + [r.grad for r in ref]):
+                errs.append(((a.full_tensor().float() - b.float()).abs().max() / b.float().abs().max()).item())
+        ok = max(errs) < 1e-2
+        rows_out.append(_row("6-attention-cuda", "PASS" if ok else "FAIL",
+                             f"SDPA on DTensors (1-rank NCCL mesh, S(2) and S(1)), ops {', '.join(_sdpa_ops_on_cuda())}: "
+                             f"max rel err {max(errs):.1e}", "< 0.01", ok))
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        rows_out.append(_row("6-attention-cuda", "FAIL", f"SDPA on DTensors: {type(e).__name__}: {str(e)[:200]}",
+                             "runs", False))
+    print(f"6-attention-cuda: {time.time() - t0:.0f} s", flush=True)
+    return rows_out
 
 
 # =============================================================================================
@@ -770,6 +874,7 @@ SECTIONS = [
     ("4-triton-e2e-gpu", "cuda", 90, _COMPILED, section_e2e_gpu),
     ("4-triton-e2e-interp", "any", 120, _INTERP, section_e2e_interp),
     ("5-attention-cp", "cuda", 180, _COMPILED, section_attention_cp),  # CPU work; sized for a GPU host's cores
+    ("6-attention-cuda", "cuda", 90, _COMPILED, section_attention_cuda),
 ]
 _BY_NAME = {s[0]: s for s in SECTIONS}
 OPTIONAL = {"5-attention-cp"}  # skipped, not failed, when the budget does not reach it

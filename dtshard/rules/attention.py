@@ -30,6 +30,18 @@ would and the generators stay in step (the convention of ``rules/random.py``).
 
 The CPU kernel crashes (SIGFPE) on zero heads or zero query rows, which uneven shards produce
 (4 heads over 3 ranks: 2, 2, 0), so the local function returns empty/zero results for empty inputs.
+
+**The CUDA kernels** (what ``F.scaled_dot_product_attention`` runs on a GPU, chosen from the
+DTensor's global metadata): ``_scaled_dot_product_flash_attention``, ``_scaled_dot_product_
+efficient_attention`` and ``_scaled_dot_product_cudnn_attention`` and their backwards get the same
+strategies (:func:`fused_cuda_rule`), with the arguments and outputs found by their schema names:
+their log-sum-exp is float32 (efficient: ``(B, H, L)`` padded to a multiple of 32 rows, so a
+query-row shard passes the local-shape check only where every rank's rows are a multiple of 32;
+cuDNN: ``(B, H, L, 1)``); the dropout generator's state (``rng_state``/``philox_*``) is
+replicated, zeros without dropout (the kernels leave it unset then); ``cum_seq_*`` are undefined
+and ``max_q``/``max_k`` the rank's lengths.  A debug attention mask, dropout, or a gradient for the
+efficient/cuDNN kernels' ``attn_bias`` runs the op replicated.  Sequence-sharded q, k, v go to
+context parallelism first (``rules/attention_cp.py``).
 """
 
 from __future__ import annotations
@@ -37,8 +49,9 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor.placement_types import Partial, Shard
 
-from dtshard.registry import OpCall, register_rule
+from dtshard.registry import OpCall, op_facts, register_rule
 from dtshard.rules._common import LINEAR_REDUCE_OPS, R, follow_output
+from dtshard.spec import TensorMeta
 
 aten = torch.ops.aten
 
@@ -113,3 +126,102 @@ def _sdpa_backward_local(op, g, q, k, v, out, lse, *args, **kwargs):
     if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     return op(g, q, k, v, out, lse, *args, **kwargs)
+
+
+# --- the CUDA kernels -------------------------------------------------------------------------
+
+CUDA_FWD = (aten._scaled_dot_product_flash_attention.default,
+            aten._scaled_dot_product_efficient_attention.default,
+            aten._scaled_dot_product_cudnn_attention.default)
+CUDA_BWD = (aten._scaled_dot_product_flash_attention_backward.default,
+            aten._scaled_dot_product_efficient_attention_backward.default,
+            aten._scaled_dot_product_cudnn_attention_backward.default)
+
+#: the role of each tensor argument of the CUDA kernels, by schema name: q, k, v; "rows" follow
+#: the query rows (grad_out, out, logsumexp); "mask" is the attention bias; "aux" is replicated
+_ROLES = {"query": "q", "key": "k", "value": "v", "grad_out": "rows", "grad_out_": "rows", "out": "rows",
+          "logsumexp": "rows", "attn_bias": "mask", "philox_seed": "aux", "philox_offset": "aux",
+          "cum_seq_q": "aux", "cum_seq_k": "aux"}
+#: outputs that are the dropout generator's state (zeros without dropout), by op
+_RNG_OUTPUTS = {CUDA_FWD[0]: (6, 7), CUDA_FWD[1]: (2, 3), CUDA_FWD[2]: (6, 7)}
+
+
+def _roles(call: OpCall) -> list[str]:
+    """The role (:data:`_ROLES`) of each DTensor argument, in ``call.tensors`` order."""
+    out = []
+    for i, name in enumerate(op_facts(call.op).names):
+        a = call.args[i] if i < len(call.args) else call.kwargs.get(name)
+        if isinstance(a, TensorMeta):
+            out.append(_ROLES[name])
+    return out
+
+
+def _named(call: OpCall, name: str, default=None):
+    """The argument ``name`` of the call (by position or keyword), ``default`` when absent."""
+    names = op_facts(call.op).names
+    return call.arg(names.index(name), name, default) if name in names else default
+
+
+@register_rule(list(CUDA_FWD + CUDA_BWD), local=lambda op, *a, **kw: _cuda_local(op, *a, **kw))
+def fused_cuda_rule(call: OpCall):
+    """Leading dims (batch; heads without grouped-query attention) sharded alike, query rows
+    sharded against whole keys (not causal), and, in backward, a Partial grad_out: the strategies
+    of the CPU kernel's rule, for the CUDA kernels' schemas (see the module docstring)."""
+    roles = _roles(call)
+    ts = call.tensors
+    q, k, v = (ts[roles.index(r)] for r in ("q", "k", "v"))
+    mask = ts[roles.index("mask")] if "mask" in roles else None
+    backward = call.op in CUDA_BWD
+    n_out = len(call.op._schema.returns)
+    if _named(call, "dropout_p", 0.0) or _named(call, "return_debug_mask", False):
+        return []  # replicated: one full random mask / debug matrix, as one process draws it
+    wanted = _named(call, "grad_input_mask")
+    if mask is not None and wanted is not None and len(wanted) > 3 and wanted[3]:
+        return []  # the bias's own gradient: replicated
+    is_causal = bool(_named(call, "is_causal", False))
+
+    def ins_for(p_qkv, p_kv, p_rows):
+        m = {"q": p_qkv, "k": p_kv, "v": p_kv, "rows": p_rows, "aux": R}
+        return tuple(_mask_placement(mask, q, k, p_rows) if r == "mask" else m[r] for r in roles)
+
+    strategies = []
+    for d in _leading_dims(q, k, v):
+        p = Shard(d)
+        outs = (p, p, p) if backward else (p, p)
+        strategies.append((outs + (R,) * (n_out - len(outs)), ins_for(p, p, p)))
+    if not is_causal:
+        rows = Shard(q.ndim - 2)  # L: also dim ndim-2 of logsumexp (B, H, L[, 1])
+        outs = (rows, Partial("sum"), Partial("sum")) if backward else (rows, rows)
+        strategies.append((outs + (R,) * (n_out - len(outs)), ins_for(rows, R, rows)))
+    if backward:
+        for red in LINEAR_REDUCE_OPS:  # each gradient is linear in grad_out
+            ins = tuple(Partial(red) if r == "rows" and i == roles.index("rows") else R for i, r in enumerate(roles))
+            strategies.append(((Partial(red),) * 3 + (R,) * (n_out - 3), ins))
+    return strategies
+
+
+def _cuda_local(op, *args, **kwargs):
+    """The kernel on this rank's shards: empty shards give zeros of the meta kernel's shapes
+    (no launch), and without dropout the generator-state outputs are zeros, so their Replicate
+    DTensors hold the same values on every rank."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if any(t.numel() == 0 for t in tensors[:3]) and op in CUDA_FWD or (
+            op in CUDA_BWD and any(t.numel() == 0 for t in tensors[:4])):
+        metas = op(*[a.to("meta") if isinstance(a, torch.Tensor) else a for a in args],
+                   **{n: a.to("meta") if isinstance(a, torch.Tensor) else a for n, a in kwargs.items()})
+        dev = tensors[0].device
+        return tuple(torch.zeros(m.shape, dtype=m.dtype, device=dev) if isinstance(m, torch.Tensor) else m
+                     for m in metas)
+    out = op(*args, **kwargs)
+    rng = _RNG_OUTPUTS.get(op)
+    if rng is None:
+        return out
+    names = op_facts(op).names
+    dropout = args[names.index("dropout_p")] if len(args) > names.index("dropout_p") else kwargs.get("dropout_p", 0.0)
+    if dropout:
+        return out
+    out = list(out)
+    for j in rng:
+        if isinstance(out[j], torch.Tensor):
+            out[j] = torch.zeros_like(out[j])
+    return tuple(out)

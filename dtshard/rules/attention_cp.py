@@ -2,8 +2,9 @@
 
 When ``q``, ``k`` and ``v`` are sharded alike with ``Shard(seq)`` or ``_StridedShard(seq)`` (the
 sequence dim, ``-2``) on ONE mesh dim, or with ``Shard(seq)`` on TWO (Ulysses x ring, below), the
-fused CPU attention kernel (``aten._scaled_dot_product_flash_attention_for_cpu`` and
-its backward, what ``F.scaled_dot_product_attention`` runs) is computed by one of these strategies;
+fused attention kernel (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward,
+what ``F.scaled_dot_product_attention`` runs on CPU; the CUDA kernels, see **Kernels**) is
+computed by one of these strategies;
 every other layout goes to the op's rule (``rules/attention.py``) unchanged.  The outputs keep the
 query's layout (``out`` and ``logsumexp`` sequence-sharded), whatever strategy ran, so the backward
 (which chooses again) and the next layer see the same layout.
@@ -73,6 +74,16 @@ these plans cannot see (the result would be wrong, or the exchange sizes would d
 ``config.attention_cp_check_masks = True`` checks it on every call (a digest of the mask's bytes
 over the mesh).
 
+**Kernels.**  The strategies call the fused kernel on blocks with the CPU kernel's signatures.
+On a GPU, ``F.scaled_dot_product_attention`` runs ``_scaled_dot_product_flash_attention`` /
+``_efficient_attention`` / ``_cudnn_attention`` instead; the handlers take those too, and call them
+through a :class:`_CudaKernel` adapter (their own arguments filled in: no dropout, zeroed generator
+state; the log-sum-exp's padding (efficient: a multiple of 32 rows) or trailing dim (cuDNN) taken
+off and put back; the bias aligned as the efficient kernel needs; causal blocks square).  The
+efficient kernel's padded log-sum-exp lines up with sequence shards only when the sequence is a
+multiple of 32: other lengths go to the rule.  The op's other outputs (the generator state,
+``max_q``/``max_k``) are those of one call on the global shapes, replicated.
+
 The cost (``_bytes``) is the bytes a rank receives in the forward, from global shapes and the
 mask's table only (the same on every rank, so every rank takes the same strategy);
 ``config.attention_cp`` forces one where it applies.  Masks with strided layouts go to the rule.
@@ -94,8 +105,9 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, 
 
 from dtshard import collectives as C
 from dtshard._config import config
-from dtshard.handlers import DTensor, bind, make_spec, op_context, planned, to_local, wrap
-from dtshard.registry import register_handler
+from dtshard.handlers import DTensor, bind, make_spec, meta_run, op_context, planned, to_local, wrap
+from dtshard.registry import op_facts, register_handler
+from dtshard.rules.attention import CUDA_BWD, CUDA_FWD
 
 __all__ = ["choose_strategy", "mask_table_stats"]
 
@@ -103,6 +115,177 @@ aten = torch.ops.aten
 _FWD = aten._scaled_dot_product_flash_attention_for_cpu.default
 _BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 STRATEGIES = ("ulysses", "allgather_kv", "ring", "mask_kv")
+
+
+# --- the kernels -----------------------------------------------------------------------------
+# The strategies call a kernel on blocks with the CPU kernel's signatures, forward
+# ``(q, k, v, dropout_p, is_causal, attn_mask=None, scale=None) -> (out, logsumexp)`` and backward
+# ``(grad_out, q, k, v, out, logsumexp, dropout_p, is_causal, attn_mask=None, scale=None) ->
+# (dq, dk, dv)``, log-sum-exp as ``(..., L)`` rows.  The CPU kernel is that; each CUDA kernel is
+# adapted to it by a _CudaKernel (its own arguments filled in, its log-sum-exp's padding or
+# trailing dim taken off and put back).
+
+
+def _pad32(n: int) -> int:
+    return -(-n // 32) * 32
+
+
+class _CudaKernel:
+    """A CUDA fused attention kernel (flash, efficient, cuDNN) called as the CPU kernel is.
+
+    Causal calls are split so that the kernel only ever sees square causal blocks: the CPU
+    kernel's causal mask is aligned top-left, and a CUDA kernel's alignment for more query rows
+    than keys is not that on every version; on a square block every convention agrees."""
+
+    def __init__(self, fwd_op, bwd_op):
+        self.fwd_op, self.bwd_op = fwd_op, bwd_op
+        self.kind = fwd_op.__name__.split("_scaled_dot_product_")[1].split("_attention")[0]
+
+    def _aux(self, like, shape, dtype):
+        """The generator-state argument of a call without dropout: zeros (a Replicate DTensor
+        when the call's tensors are DTensors)."""
+        z = torch.zeros(shape, dtype=dtype, device=like.device)
+        if type(like) is DTensor:
+            mesh = like._spec.mesh
+            return wrap(z, make_spec(mesh, (Replicate(),) * mesh.ndim, shape, dtype))
+        return z
+
+    def forward(self, q, k, v, dropout_p, is_causal, attn_mask=None, scale=None):
+        nq, nk = q.shape[-2], k.shape[-2]
+        if is_causal and nq > nk:  # a square causal block, and the rows below it see every key
+            o1, l1 = self.forward(q[..., :nk, :], k, v, dropout_p, True, _rows_of(attn_mask, 0, nk), scale)
+            o2, l2 = self.forward(q[..., nk:, :], k, v, dropout_p, False, _rows_of(attn_mask, nk, nq), scale)
+            return torch.cat([o1, o2], -2), torch.cat([l1, l2], -1)
+        if self.kind == "flash":
+            if attn_mask is not None:
+                raise ValueError(f"{self.fwd_op} takes no attention mask")
+            out = self.fwd_op(q, k, v, dropout_p, is_causal, False, scale=scale)
+        elif self.kind == "efficient":
+            out = self.fwd_op(q, k, v, _aligned_bias(attn_mask, q, k), True, dropout_p, is_causal, scale=scale)
+        else:
+            out = self.fwd_op(q, k, v, _aligned_bias(attn_mask, q, k), True, dropout_p, is_causal, False, scale=scale)
+        return out[0], self.lse_rows(out[1], nq)
+
+    __call__ = forward
+
+    def backward(self, g, q, k, v, out, lse, dropout_p, is_causal, attn_mask=None, scale=None):
+        nq, nk = q.shape[-2], k.shape[-2]
+        if is_causal and nq > nk:
+            a, b = slice(0, nk), slice(nk, nq)
+            g1 = self.backward(g[..., a, :], q[..., a, :], k, v, out[..., a, :], lse[..., a], dropout_p, True,
+                               _rows_of(attn_mask, 0, nk), scale)
+            g2 = self.backward(g[..., b, :], q[..., b, :], k, v, out[..., b, :], lse[..., b], dropout_p, False,
+                               _rows_of(attn_mask, nk, nq), scale)
+            return torch.cat([g1[0], g2[0]], -2), g1[1] + g2[1], g1[2] + g2[2]
+        if self.kind == "flash":
+            seed, offset = self._aux(q, (2,), torch.uint64), self._aux(q, (), torch.uint64)
+            return self.bwd_op(g, q, k, v, out, lse, None, None, nq, nk, dropout_p, is_causal, seed, offset,
+                               scale=scale)
+        seed, offset = self._aux(q, (), torch.int64), self._aux(q, (), torch.int64)
+        bias = _aligned_bias(attn_mask, q, k)
+        if self.kind == "efficient":
+            if lse.shape[-1] != _pad32(nq):
+                lse = torch.nn.functional.pad(lse, (0, _pad32(nq) - lse.shape[-1]))
+            grads = self.bwd_op(g, q, k, v, bias, out, lse, seed, offset, dropout_p, [True, True, True, False],
+                                is_causal, scale=scale)
+            return grads[0], grads[1], grads[2]
+        return self.bwd_op(g, q, k, v, out, lse.unsqueeze(-1), seed, offset, bias, None, None, nq, nk, dropout_p,
+                           is_causal, scale=scale)
+
+    def lse_rows(self, lse, nq: int):
+        """The kernel's log-sum-exp as ``(..., L)`` rows (efficient pads them to a multiple of 32,
+        cuDNN adds a trailing dim of 1)."""
+        if self.kind == "cudnn":
+            return lse.squeeze(-1)
+        if self.kind == "efficient" and lse.shape[-1] != nq:
+            return lse[..., :nq]
+        return lse
+
+
+def _rows_of(mask, r0: int, r1: int):
+    return mask if mask is None or mask.shape[-2] == 1 else mask[..., r0:r1, :]
+
+
+def _aligned_bias(mask, q, k):
+    """The attention bias as the CUDA kernels take it: 4-D (a broadcast view) with rows that start
+    at aligned addresses, 16 elements apart or a multiple of that (the memory-efficient kernel's
+    requirement, which ``F.scaled_dot_product_attention`` meets by padding the same way): a slice
+    of a larger mask is copied into a padded buffer when it does not line up."""
+    if mask is None:
+        return None
+    if mask.stride(-1) != 1 or mask.stride(-2) % 16 or mask.storage_offset() % 16:
+        n = mask.shape[-1]
+        buf = mask.new_zeros(tuple(mask.shape[:-1]) + (n + (-n) % 16,))
+        buf[..., :n] = mask
+        mask = buf[..., :n]
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0)
+    return mask.expand(tuple(q.shape[:-1]) + (k.shape[-2],))
+
+
+class _Family:
+    """How one fused kernel's calls bind (schema names) and what its forward returns."""
+
+    def __init__(self, fwd_op, bwd_op, mask_name, kernel):
+        self.fwd_op, self.bwd_op, self.mask_name, self.kernel = fwd_op, bwd_op, mask_name, kernel
+
+    def bind(self, op, args, kwargs) -> dict:
+        return dict(zip(op_facts(op).names, bind(op, args, kwargs)))
+
+    def takes(self, b: dict, q) -> bool:
+        """Can context parallelism produce this call's outputs (no debug mask; the log-sum-exp
+        laid out by query rows: efficient pads it to a multiple of 32 rows, which only lines up
+        with the rows' shards when the sequence is a multiple of 32)?"""
+        if b.get("return_debug_mask"):
+            return False
+        return self.fwd_op is not CUDA_FWD[1] or q.shape[-2] % 32 == 0 or not b["compute_log_sumexp"]
+
+    def outputs(self, op, args, kwargs, o, lse):
+        """The op's whole output from this rank's ``(out, logsumexp rows)`` DTensors: the CPU
+        kernel's pair, or a CUDA kernel's tuple (log-sum-exp in its own layout, the generator
+        state as replicated zeros, the lengths global)."""
+        if op is _FWD:
+            return o, lse
+        metas = meta_run(op, *args, **kwargs)
+        mesh = o._spec.mesh
+        lm = metas[1]
+        if lm.numel() == 0:  # compute_log_sumexp=False: an empty log-sum-exp
+            lse = wrap(torch.zeros(lm.shape, dtype=lm.dtype, device=o.device),
+                       make_spec(mesh, (Replicate(),) * mesh.ndim, lm.shape, lm.dtype))
+        else:  # the kernel's dtype (float32) and layout (cuDNN: a trailing dim of 1)
+            local = lse._local_tensor.to(lm.dtype)
+            lse = wrap(local if lm.dim() == lse.dim() else local.unsqueeze(-1),
+                       _spec_like(lse, lse._spec.placements, lm.shape, lm.dtype))
+        res = [o, lse]
+        for m in metas[2:]:
+            if isinstance(m, torch.Tensor):
+                z = torch.zeros(m.shape, dtype=m.dtype, device=o.device)
+                res.append(wrap(z, make_spec(mesh, (Replicate(),) * mesh.ndim, m.shape, m.dtype)))
+            else:
+                res.append(m)
+        return tuple(res)
+
+
+_FAMILIES = {_FWD: _Family(_FWD, _BWD, "attn_mask", _FWD)}
+for _f, _b in zip(CUDA_FWD, CUDA_BWD):
+    _FAMILIES[_f] = _FAMILIES[_b] = _Family(_f, _b, None if _f is CUDA_FWD[0] else "attn_bias",
+                                            _CudaKernel(_f, _b))
+_FAMILIES[_BWD] = _FAMILIES[_FWD]
+
+
+def _bwd_kernel(family):
+    return _BWD if family.kernel is _FWD else family.kernel.backward
+
+
+def _with_arg(op, args, kwargs, name, value):
+    """``(args, kwargs)`` with the argument ``name`` set to ``value``."""
+    names = op_facts(op).names
+    i = names.index(name)
+    if i < len(args):
+        args = tuple(args[:i]) + (value,) + tuple(args[i + 1:])
+    else:
+        kwargs = dict(kwargs, **{name: value})
+    return args, kwargs
 
 
 def _seq_mesh_dim(q, k, v) -> int | None:
@@ -605,20 +788,26 @@ def _exchange_rows(x, send_idx, send_counts, recv_counts, mesh, mesh_dim: int):
     return got.movedim(0, -2)
 
 
-@register_handler(_FWD, before_rule=True)
+@register_handler([_FWD, *CUDA_FWD], before_rule=True)
 def sdpa_context_parallel(op, args, kwargs):
     """Forward attention on sequence-sharded q, k, v (see the module docstring)."""
-    q, k, v, dropout_p, is_causal, attn_mask, scale = bind(op, args, kwargs)
+    fam = _FAMILIES[op]
+    b = fam.bind(op, args, kwargs)
+    q, k, v, dropout_p, is_causal = b["query"], b["key"], b["value"], b["dropout_p"], b["is_causal"]
+    attn_mask, scale, kern = b.get(fam.mask_name), b["scale"], fam.kernel
+    if not fam.takes(b, q):
+        return planned(op, args, kwargs)
     usp = _usp_dims(q, k, v) if not dropout_p and attn_mask is None else None
     if usp is not None:
         with op_context(op):
-            o, lse = op(*_to_heads(usp, q, k, v), 0.0, bool(is_causal), scale=scale)  # one sequence dim left
-            return tuple(_from_heads(t, q._spec.placements) for t in (o, lse))
+            o, lse = kern(*_to_heads(usp, q, k, v), 0.0, bool(is_causal), scale=scale)  # one sequence dim left
+            o, lse = (_from_heads(t, q._spec.placements) for t in (o, lse))
+            return fam.outputs(op, args, kwargs, o, lse)
     i = _seq_mesh_dim(q, k, v) if not dropout_p else None
     i, mask = _with_mask(op, i, attn_mask, q, k, is_causal)
     strategy = None if i is None else choose_strategy(q, k, v, i, mask)
     if strategy is None:
-        return planned(op, args, _replicated_mask(kwargs, mask, q))
+        return planned(op, *_replicated_mask(op, args, kwargs, fam.mask_name, mask, q))
     placements, causal = q._spec.placements, bool(is_causal)
     out_shape = tuple(q.shape[:-1]) + (v.shape[-1],)
     lse_dtype = _lse_dtype(q.dtype)
@@ -627,11 +816,11 @@ def sdpa_context_parallel(op, args, kwargs):
         if strategy == "ulysses":
             heads = _with(placements, i, Shard(q.dim() - 3))
             extra = {} if ml is None else {"attn_mask": _heads_mask(ml, q, i)}
-            o, lse = op(to_local(q, heads), to_local(k, heads), to_local(v, heads), 0.0, causal, scale=scale, **extra)
+            o, lse = kern(to_local(q, heads), to_local(k, heads), to_local(v, heads), 0.0, causal, scale=scale, **extra)
             o = to_local(wrap(o, _spec_like(q, heads, out_shape)), placements)
             lse = to_local(wrap(lse, _spec_like(q, heads, out_shape[:-1], lse.dtype)), placements)
         elif strategy == "mask_kv":
-            o, lse = _mask_kv_forward(op, q, k, v, mask, ml, i, scale, lse_dtype)
+            o, lse = _mask_kv_forward(kern, q, k, v, mask, ml, i, scale, lse_dtype)
         else:
             ql = q._local_tensor
             rows = _runs(q, i)
@@ -639,12 +828,12 @@ def sdpa_context_parallel(op, args, kwargs):
             if strategy == "allgather_kv":
                 full = _with(placements, i, Replicate())
                 kl, vl = to_local(k, full), to_local(v, full)
-                _forward_block(op, merge, ql, kl, vl, rows, ((0, k.shape[-2]),), causal, scale, ml)
+                _forward_block(kern, merge, ql, kl, vl, rows, ((0, k.shape[-2]),), causal, scale, ml)
             else:
-                _ring_forward(op, merge, q, k, v, i, rows, causal, scale, ml)
+                _ring_forward(kern, merge, q, k, v, i, rows, causal, scale, ml)
             o, lse = merge.result()
-        return (wrap(o, _spec_like(q, placements, out_shape)),
-                wrap(lse, _spec_like(q, placements, out_shape[:-1], lse.dtype)))
+        return fam.outputs(op, args, kwargs, wrap(o, _spec_like(q, placements, out_shape)),
+                           wrap(lse, _spec_like(q, placements, out_shape[:-1], lse.dtype)))
 
 
 def _ring_forward(op, merge, q, k, v, i, rows, causal, scale, mask=None) -> None:
@@ -667,16 +856,28 @@ def _lse_dtype(dtype):
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-@register_handler(_BWD, before_rule=True)
+@register_handler([_BWD, *CUDA_BWD], before_rule=True)
 def sdpa_context_parallel_backward(op, args, kwargs):
     """Backward of :func:`sdpa_context_parallel` (chooses its strategy again; each is exact)."""
-    g, q, k, v, out, lse, dropout_p, is_causal, attn_mask, scale = bind(op, args, kwargs)
+    fam = _FAMILIES[op]
+    b = fam.bind(op, args, kwargs)
+    g = b["grad_out"] if "grad_out" in b else b["grad_out_"]
+    q, k, v, out, lse = b["query"], b["key"], b["value"], b["out"], b["logsumexp"]
+    dropout_p, is_causal, attn_mask, scale = b["dropout_p"], b["is_causal"], b.get(fam.mask_name), b["scale"]
+    wanted = b.get("grad_input_mask")
+    if attn_mask is not None and wanted is not None and wanted[3]:
+        return planned(op, args, kwargs)  # the bias's own gradient: the rule's path
+    lse = _lse_rows(lse, q)
+    if lse is None:
+        return planned(op, args, kwargs)
+    kern = _bwd_kernel(fam)
+    n_out = len(op._schema.returns)
     usp = _usp_dims(q, k, v) if not dropout_p and attn_mask is None else None
     if usp is not None and all(type(t) is DTensor and t._spec.placements == q._spec.placements
                                and t._spec.mesh is q._spec.mesh and t._spec.extra is None for t in (g, out, lse)):
         with op_context(op):
-            grads = op(*_to_heads(usp, g, q, k, v, out, lse), 0.0, bool(is_causal), scale=scale)
-            return tuple(_from_heads(t, q._spec.placements) for t in grads)
+            grads = kern(*_to_heads(usp, g, q, k, v, out, lse), 0.0, bool(is_causal), scale=scale)
+            return tuple(_from_heads(t, q._spec.placements) for t in grads) + (None,) * (n_out - 3)
     i = _seq_mesh_dim(q, k, v) if not dropout_p else None
     if i is not None and not all(type(t) is DTensor and t._spec.placements == q._spec.placements
                                  and t._spec.mesh is q._spec.mesh and t._spec.extra is None for t in (g, out, lse)):
@@ -684,20 +885,20 @@ def sdpa_context_parallel_backward(op, args, kwargs):
     i, mask = _with_mask(op, i, attn_mask, q, k, is_causal)
     strategy = None if i is None else choose_strategy(q, k, v, i, mask)
     if strategy is None:
-        return planned(op, args, _replicated_mask(kwargs, mask, q))
+        return planned(op, *_replicated_mask(op, args, kwargs, fam.mask_name, mask, q))
     placements, causal = q._spec.placements, bool(is_causal)
     ml = None if mask is None else _local_mask(mask, q, i)
     with op_context(op):
         if strategy == "ulysses":
             heads = _with(placements, i, Shard(q.dim() - 3))
             extra = {} if ml is None else {"attn_mask": _heads_mask(ml, q, i)}
-            gq, gk, gv = op(*(to_local(t, heads) for t in (g, q, k, v, out, lse)), 0.0, causal, scale=scale, **extra)
+            gq, gk, gv = kern(*(to_local(t, heads) for t in (g, q, k, v, out, lse)), 0.0, causal, scale=scale, **extra)
             return tuple(wrap(to_local(wrap(x, _spec_like(t, heads)), placements), _spec_like(t, placements))
-                         for x, t in ((gq, q), (gk, k), (gv, v)))
+                         for x, t in ((gq, q), (gk, k), (gv, v))) + (None,) * (n_out - 3)
         if strategy == "mask_kv":
-            dq, dk, dv = _mask_kv_backward(op, g, q, k, v, out, lse, mask, ml, i, scale)
+            dq, dk, dv = _mask_kv_backward(kern, g, q, k, v, out, lse, mask, ml, i, scale)
             return (wrap(dq, _spec_like(q, placements)), wrap(dk, _spec_like(k, placements)),
-                    wrap(dv, _spec_like(v, placements)))
+                    wrap(dv, _spec_like(v, placements))) + (None,) * (n_out - 3)
         rows = _runs(q, i)
         local = [t._local_tensor for t in (g, q, out, lse)]
         dq = torch.zeros_like(q._local_tensor)
@@ -705,15 +906,28 @@ def sdpa_context_parallel_backward(op, args, kwargs):
             full = _with(placements, i, Replicate())
             kl, vl = to_local(k, full), to_local(v, full)
             dk, dv = torch.zeros_like(kl), torch.zeros_like(vl)
-            _backward_block(op, (dq, dk, dv), local[0], local[1], kl, vl, local[2], local[3], rows,
+            _backward_block(kern, (dq, dk, dv), local[0], local[1], kl, vl, local[2], local[3], rows,
                             ((0, k.shape[-2]),), causal, scale, ml)
             partial = _with(placements, i, Partial("sum"))
             dk = to_local(wrap(dk, _spec_like(k, partial)), placements)  # one reduce_scatter each
             dv = to_local(wrap(dv, _spec_like(v, partial)), placements)
         else:
-            dk, dv = _ring_backward(op, dq, local, k, v, i, rows, causal, scale, ml)
+            dk, dv = _ring_backward(kern, dq, local, k, v, i, rows, causal, scale, ml)
         return (wrap(dq, _spec_like(q, placements)), wrap(dk, _spec_like(k, placements)),
-                wrap(dv, _spec_like(v, placements)))
+                wrap(dv, _spec_like(v, placements))) + (None,) * (n_out - 3)
+
+
+def _lse_rows(lse, q):
+    """The backward's log-sum-exp DTensor as ``(..., L)`` rows: cuDNN's trailing dim of 1 taken
+    off; None when it does not line up with the query rows (efficient's padding of a sequence
+    that is not a multiple of 32: the forward went to the rule)."""
+    if type(lse) is not DTensor or lse._spec.extra is not None:
+        return lse
+    if lse.dim() == q.dim() and lse.shape[-1] == 1:
+        return wrap(lse._local_tensor.squeeze(-1), _spec_like(lse, lse._spec.placements, lse.shape[:-1]))
+    if lse.shape[-1] != q.shape[-2]:
+        return None
+    return lse
 
 
 def _ring_backward(op, dq, local, k, v, i, rows, causal, scale, mask=None):
@@ -772,15 +986,19 @@ def _with_mask(op, i, attn_mask, q, k, is_causal):
     return i, mask
 
 
-def _replicated_mask(kwargs, mask, q) -> dict:
-    """The rule's path for a call whose plain-tensor mask context parallelism took as whole and
-    identical on every rank (none of its strategies applies): the same tensor as a Replicate
-    DTensor (no communication), so the rule shards it along with the queries."""
-    m = kwargs.get("attn_mask")
-    if mask is None or m is None or isinstance(m, DTensor):
-        return kwargs
+def _replicated_mask(op, args, kwargs, name, mask, q) -> tuple:
+    """``(args, kwargs)`` for the rule's path of a call whose plain-tensor mask (argument ``name``)
+    context parallelism took as whole and identical on every rank (none of its strategies
+    applies): the same tensor as a Replicate DTensor (no communication), so the rule shards it
+    along with the queries."""
+    if mask is None:
+        return args, kwargs
+    m = bind(op, args, kwargs)[op_facts(op).names.index(name)]
+    if m is None or isinstance(m, DTensor):
+        return args, kwargs
     mesh = q._spec.mesh
-    return dict(kwargs, attn_mask=wrap(mask, make_spec(mesh, (Replicate(),) * mesh.ndim, mask.shape, mask.dtype)))
+    return _with_arg(op, args, kwargs, name,
+                     wrap(mask, make_spec(mesh, (Replicate(),) * mesh.ndim, mask.shape, mask.dtype)))
 
 
 def _heads_mask(ml, q, i):

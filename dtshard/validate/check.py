@@ -206,7 +206,7 @@ class _Case:
 
     def run(self, mesh_shape, ins, outs) -> dict | str:
         """``{coord: local outputs}`` on simulated ranks, or why a rank failed (as text)."""
-        out_shapes = [None if r is None else tuple(r.shape) for r in self.ref]
+        out_shapes = [tuple(r.shape) if isinstance(r, torch.Tensor) else None for r in self.ref]
         try:
             with torch.no_grad():
                 return run_ranks(self.fn, self.sample.args, self.sample.kwargs, ins, mesh_shape,

@@ -26,6 +26,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from dtshard.testing import sdpa_cuda_on_cpu
+
 __all__ = ["OWN_SAMPLES", "Sample", "SampleSource"]
 
 aten = torch.ops.aten
@@ -261,7 +263,45 @@ OWN_SAMPLES: dict = {
     aten._scaled_dot_product_flash_attention_for_cpu.default: lambda dt: [
         (tuple(_t(1, 2, 5, 4, seed=s) for s in range(3)), {})],
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: lambda dt: [_flash_backward()],
+    # the CUDA kernels (on CPU: dtshard.testing.sdpa_cuda_on_cpu's stand-ins, installed when asked)
+    aten._scaled_dot_product_flash_attention.default: lambda dt: _cuda_attention("flash", False),
+    aten._scaled_dot_product_flash_attention_backward.default: lambda dt: _cuda_attention("flash", True),
+    aten._scaled_dot_product_efficient_attention.default: lambda dt: _cuda_attention("efficient", False),
+    aten._scaled_dot_product_efficient_attention_backward.default: lambda dt: _cuda_attention("efficient", True),
+    aten._scaled_dot_product_cudnn_attention.default: lambda dt: _cuda_attention("cudnn", False),
+    aten._scaled_dot_product_cudnn_attention_backward.default: lambda dt: _cuda_attention("cudnn", True),
 }
+
+
+def _cuda_attention(kind: str, backward: bool) -> list:
+    """Samples of a CUDA fused attention kernel, forward or backward (no mask and a bias; causal
+    and not): CPU tensors, run by the stand-ins of dtshard.testing.sdpa_cuda_on_cpu (registered
+    here: the validator's process runs the ops on CPU)."""
+    sdpa_cuda_on_cpu.install()
+    out = []
+    for causal, with_bias in ((False, False), (True, False), (False, True)):
+        if with_bias and kind == "flash":
+            continue
+        q, k, v = (_t(2, 2, 5, 4, seed=s) for s in range(3))
+        bias = _t(5, 5, seed=4) if with_bias else None
+        if kind == "flash":
+            fwd = ((q, k, v, 0.0, causal), {})
+        else:
+            fwd = ((q, k, v, bias, True, 0.0, causal), {})
+        op = getattr(aten, f"_scaled_dot_product_{kind}_attention").default
+        if not backward:
+            out.append(fwd)
+            continue
+        res = op(*fwd[0])
+        g = _t(2, 2, 5, 4, seed=5)
+        if kind == "flash":
+            out.append(((g, q, k, v, res[0], res[1], None, None, 5, 5, 0.0, causal, res[6], res[7]), {}))
+        elif kind == "efficient":
+            out.append(((g, q, k, v, bias, res[0], res[1], res[2], res[3], 0.0, [True, True, True, False],
+                         causal), {}))
+        else:
+            out.append(((g, q, k, v, res[0], res[1], res[6], res[7], bias, None, None, 5, 5, 0.0, causal), {}))
+    return out
 
 
 def _flash_backward():
