@@ -254,3 +254,34 @@ def test_gpu_checks_block_calls_run_on_the_stand_ins():
         sys.path.remove(here)
     rows = gpu_check._attention_block_rows("cpu", L=128)
     assert len(rows) == 5 and all(r["result"] == "PASS" for r in rows), rows
+
+
+def _compiled(kernel, strategy):
+    """One causal call of ``kernel`` on sequence-sharded DTensors, forward and backward, under
+    torch.compile(fullgraph=True) (aot_eager: the graph's ops run on the stand-ins)."""
+    import torch._dynamo
+
+    install()
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 4, 64, 8, dtype=torch.float64, generator=g) for _ in range(3))
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = _call(kernel, *ref, True)[0]
+    want.sum().backward()
+    dts = [dtshard.distribute_tensor(t, mesh((2,)), [Shard(2)]).requires_grad_() for t in (q, k, v)]
+    fn = torch.compile(lambda a, b, c: _call(kernel, a, b, c, True)[0], backend="aot_eager", fullgraph=True)
+    old = dtshard.config.attention_cp
+    dtshard.config.attention_cp = strategy
+    try:
+        out = fn(*dts)
+        out.sum().backward()
+    finally:
+        dtshard.config.attention_cp = old
+        torch._dynamo.reset()
+    return max(((a.full_tensor() - b).abs().max() / b.abs().max()).item()
+               for a, b in zip([out] + [d.grad for d in dts], [want.detach()] + [r.grad for r in ref]))
+
+
+def test_compiled_fullgraph():
+    """The ring over the flash kernel and Ulysses over the efficient one, compiled."""
+    for kernel, strategy in (("flash", "ring"), ("efficient", "ulysses")):
+        assert max(run_distributed(_compiled, 2, kernel, strategy)) < TOL, (kernel, strategy)
