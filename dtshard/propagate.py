@@ -438,7 +438,7 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
         raise RuntimeError(no_strategy())
 
     # 4. first choice that passes the local shape check
-    shapes_fn = meta_fn if not shape_args else None
+    shapes_fn = meta_fn
     local_op = op
     if entry is not None and entry.local is not None:
         local_op = functools.partial(entry.local, op)
@@ -559,7 +559,7 @@ def planner_accepts(op, meta_args, meta_kwargs, in_specs, out_specs) -> bool:
     with strided shards, the exact element check) that :func:`propagate` applies?"""
     entry, _ = lookup(op)
     shape_args = entry.shape_args if entry is not None else {}
-    shapes_fn = entry.meta if entry is not None and not shape_args else None
+    shapes_fn = entry.meta if entry is not None else None
     local_op = functools.partial(entry.local, op) if entry is not None and entry.local is not None else op
     mesh_shape = in_specs[0].mesh_shape
     ok = _check_local(op, meta_args, meta_kwargs, in_specs, out_specs, mesh_shape, shape_args, shapes_fn, local_op)
@@ -615,6 +615,10 @@ def _out_metas(op, meta_args, meta_kwargs, in_shapes, dtypes, overrides, meta_fn
     only the shapes are compared by the caller."""
     if meta_fn is not None:
         metas = [TensorMeta(tuple(sh), contiguous_strides(sh), dt) for sh, dt in zip(in_shapes, dtypes)]
+        if overrides:  # shape arguments (view's size) given as this rank's local shapes
+            meta_args = list(meta_args)
+            for idx, shape in overrides:
+                meta_args[idx] = list(shape)
         call = OpCall(op=op, args=tuple(_to_meta_info(a, None, metas) for a in meta_args),
                       kwargs={k: _to_meta_info(v, None, metas) for k, v in meta_kwargs.items()},
                       tensors=tuple(metas))

@@ -15,6 +15,7 @@ from torch.distributed.tensor.placement_types import Partial, Shard, _StridedSha
 
 from dtshard.registry import OpCall, register_handler, register_rule
 from dtshard.rules._common import norm_dim
+from dtshard.spec import TensorMeta, contiguous_strides
 
 aten = torch.ops.aten
 # views and rearrangements move elements (or fill zeros: a valid term of every reduction, 0 being
@@ -75,8 +76,29 @@ def view_or_copy(op, x, size):
         return aten._unsafe_view.default(x.contiguous(), size)
 
 
+def _view_meta(call: OpCall):
+    """The view's output metadata for a contiguous input (contiguous, the size's -1 resolved);
+    None (the meta kernel decides, and raises its own error) for any other input or a size that
+    does not fit."""
+    x = call.tensors[0]
+    size = call.arg(1, "size")
+    if x.stride != contiguous_strides(x.shape) or not all(type(v) is int for v in size) \
+            or sum(v == -1 for v in size) > 1 or any(v < -1 for v in size):
+        return None
+    numel = 1
+    for v in x.shape:
+        numel *= v
+    out = _resolve_shape(size, numel)
+    n = 1
+    for v in out:
+        n *= v
+    if n != numel:
+        return None
+    return [TensorMeta(tuple(out), contiguous_strides(out), x.dtype)]
+
+
 @register_rule([aten.view.default, aten._unsafe_view.default, aten.view_copy.default], shape_args={1: 0},
-               local=view_or_copy)
+               local=view_or_copy, meta=_view_meta)
 def view_rule(call: OpCall):
     x = call.tensors[0]
     out_shape = _resolve_shape(call.arg(1, "size"), x.numel())
