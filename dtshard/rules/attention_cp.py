@@ -43,7 +43,7 @@ query's layout (``out`` and ``logsumexp`` sequence-sharded), whatever strategy r
   with the reverse all_to_all and are summed in (index_add).  A sliding window of ``w`` keys is a
   halo (about ``w`` rows from the predecessors); a document mask brings only the documents that
   overlap the rank's rows.  Received per rank, forward: the rows the table says, the most over
-  the ranks as the cost.  Plain ``Shard`` layouts only.
+  the ranks as the cost.  Plain ``Shard`` layouts only (a strided layout takes the others).
 - **Ulysses x ring** (the sequence on two mesh dims ``(i0, i1)``, heads divisible by ``i1``'s
   size): q, k, v move their ``i1`` shards from the sequence to the heads (Ulysses, one all_to_all
   each), the call runs again with the sequence on ``i0`` alone (any strategy above, by cost, the
@@ -54,7 +54,9 @@ query's layout (``out`` and ``logsumexp`` sequence-sharded), whatever strategy r
 plain tensor or a DTensor replicated on every mesh dim (its local tensor), additive in q's dtype
 (``F.scaled_dot_product_attention`` turns a boolean mask into one before the kernel, a new tensor
 every call), 2-D ``(L, S)`` or 4-D broadcasting to ``(B, H, L, S)``.  Each kernel call gets the
-mask's slice for its rows and keys (and batch, or Ulysses' head chunk, where those are split).
+mask's slice for its rows and keys (and batch, or Ulysses' head chunk, where those are split): a
+range of rows and columns for a plain ``Shard``, the rows and columns at the positions a strided
+layout's runs hold (an index) otherwise.
 A row with no key in a block (every entry ``-inf``) gets log-sum-exp ``-inf`` there, so the merge
 gives the block weight 0; a row masked everywhere ends with output 0 and log-sum-exp 0, what the
 kernel gives in one process.  A sharded or partial mask, one that needs a gradient, or a mask
@@ -86,7 +88,7 @@ multiple of 32: other lengths go to the rule.  The op's other outputs (the gener
 
 The cost (``_bytes``) is the bytes a rank receives in the forward, from global shapes and the
 mask's table only (the same on every rank, so every rank takes the same strategy);
-``config.attention_cp`` forces one where it applies.  Masks with strided layouts go to the rule.
+``config.attention_cp`` forces one where it applies.
 FlexAttention: ``rules/flex_attention_cp.py``.
 """
 
@@ -367,8 +369,8 @@ def _bytes(strategy: str, q, k, v, mesh_dim: int, mask=None) -> float | None:
         out = q.numel() // q.shape[-1] * v.shape[-1]
         return (n - 1) / n / n * (q.numel() + k.numel() + v.numel() + out) * item / other
     if strategy == "mask_kv":
-        if mask is None or not _readable(mask):
-            return None  # no mask, or its values cannot be read (tracing): the others apply
+        if mask is None or not _readable(mask) or q._spec.has_strided:
+            return None  # no mask, its values cannot be read (tracing), or a strided layout
         table = _mask_table(mask, q, k, mesh_dim)
         return table.max_received * _key_row_bytes(k, v, other)
     raise ValueError(f"config.attention_cp: unknown strategy {strategy!r}; one of 'auto', {STRATEGIES}")
@@ -559,8 +561,7 @@ def _forward_block(op, merge, ql, kb, vb, rows, keys, causal, scale, mask=None) 
         if mask is None:
             o, lse = op(ql[..., r0:r1, :], kb[..., k0:k1, :], vb[..., k0:k1, :], 0.0, c, scale=scale)
         else:
-            (start, _), (a, _) = rows[0], keys[0]
-            mb = _mask_block(mask, start + r0, start + r1, (a + k0, a + k1))
+            mb = _mask_block(mask, _positions(rows, r0, r1, mask.device), _positions(keys, k0, k1, mask.device))
             o, lse = op(ql[..., r0:r1, :], kb[..., k0:k1, :], vb[..., k0:k1, :], 0.0, c, attn_mask=mb, scale=scale)
             dead = _dead_rows(mb)
             o, lse = o.masked_fill(dead.unsqueeze(-1), 0.0), lse.masked_fill(dead, float("-inf"))
@@ -576,8 +577,8 @@ def _backward_block(op, grads, gl, ql, kb, vb, outl, lsel, rows, keys, causal, s
     for r0, r1, k0, k1, c in _calls(rows, keys, causal):
         extra = {}
         if mask is not None:
-            (start, _), (a, _) = rows[0], keys[0]
-            extra = {"attn_mask": _mask_block(mask, start + r0, start + r1, (a + k0, a + k1))}
+            extra = {"attn_mask": _mask_block(mask, _positions(rows, r0, r1, mask.device),
+                                              _positions(keys, k0, k1, mask.device))}
         gq, gk, gv = op(gl[..., r0:r1, :], ql[..., r0:r1, :], kb[..., k0:k1, :], vb[..., k0:k1, :],
                         outl[..., r0:r1, :], lsel[..., r0:r1], 0.0, c, scale=scale, **extra)
         dq[..., r0:r1, :].add_(gq)
@@ -680,11 +681,25 @@ def _local_mask(mask, q, mesh_dim: int):
     return mask
 
 
-def _mask_block(mask, r0: int, r1: int, keys):
-    """The mask for query rows ``[r0, r1)`` and the keys ``keys`` (a ``(k0, k1)`` range or an index
-    tensor of global keys), size-1 (broadcast) dims kept."""
+def _positions(runs, a: int, b: int, device):
+    """The global positions of local indices ``[a, b)`` of a layout's runs (:func:`_runs`): a
+    ``(lo, hi)`` range when they are contiguous (a plain ``Shard``), else an index tensor."""
+    out, pos = [], 0
+    for lo, hi in runs:
+        s, e = max(a - pos, 0), min(b - pos, hi - lo)
+        if s < e:
+            out.append((lo + s, lo + e))
+        pos += hi - lo
+    if len(out) <= 1:
+        return out[0] if out else (0, 0)
+    return torch.cat([torch.arange(lo, hi, device=device) for lo, hi in out])
+
+
+def _mask_block(mask, rows, keys):
+    """The mask for the query rows ``rows`` and the keys ``keys`` (each a ``(lo, hi)`` range or an
+    index tensor of global positions), size-1 (broadcast) dims kept."""
     if mask.shape[-2] != 1:
-        mask = mask[..., r0:r1, :]
+        mask = mask[..., rows[0]:rows[1], :] if isinstance(rows, tuple) else mask.index_select(-2, rows)
     if mask.shape[-1] != 1:
         mask = mask[..., keys[0]:keys[1]] if isinstance(keys, tuple) else mask.index_select(-1, keys)
     return mask
@@ -976,8 +991,6 @@ def _with_mask(op, i, attn_mask, q, k, is_causal):
     mask is one every strategy takes (:func:`_whole_mask`), else None (the rule's path)."""
     if i is None or attn_mask is None:
         return i, None
-    if q._spec.has_strided:
-        return None, None  # masks are sliced by row ranges: the rule's path
     mask = _whole_mask(attn_mask, q, k, is_causal)
     if mask is None:
         return None, None
@@ -1032,7 +1045,7 @@ def _mask_kv_forward(op, q, k, v, mask, ml, i, scale, lse_dtype):
     ql = q._local_tensor
     start, stop = _rows(q, i)
     if stop > start and kr.shape[-2]:
-        return op(ql, kr, vr, 0.0, False, attn_mask=_mask_block(ml, start, stop, plan[2]), scale=scale)
+        return op(ql, kr, vr, 0.0, False, attn_mask=_mask_block(ml, (start, stop), plan[2]), scale=scale)
     return ql.new_zeros(tuple(ql.shape[:-1]) + (vr.shape[-1],)), ql.new_zeros(tuple(ql.shape[:-1]), dtype=lse_dtype)
 
 
@@ -1045,7 +1058,7 @@ def _mask_kv_backward(op, g, q, k, v, out, lse, mask, ml, i, scale):
     start, stop = _rows(q, i)
     if stop > start and kr.shape[-2]:
         dq, gk, gv = op(g._local_tensor, ql, kr, vr, out._local_tensor, lse._local_tensor, 0.0, False,
-                        attn_mask=_mask_block(ml, start, stop, recv_idx), scale=scale)
+                        attn_mask=_mask_block(ml, (start, stop), recv_idx), scale=scale)
     else:
         dq, gk, gv = torch.zeros_like(ql), torch.zeros_like(kr), torch.zeros_like(vr)
     if table.max_held == 0:

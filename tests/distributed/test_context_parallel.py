@@ -430,8 +430,9 @@ def _striped_and_usp():
     ``sf = S / 4`` gives rank ``r`` the tokens ``r, r + 4, ...``; a smaller ``sf`` stripes
     blocks), through allgather_kv and the ring, causal (also with kv_len != q_len) and not: the
     values and gradients of one process, the layout kept, and the (query, key) pairs each rank's
-    kernel calls compute.  On a 2x2 mesh, the sequence sharded on both mesh dims: Ulysses on the
-    inner dim x each single-dim strategy on the outer one."""
+    kernel calls compute; the same layouts with masks (a sliding window, random boolean, causal
+    documents) through allgather_kv, the ring and Ulysses.  On a 2x2 mesh, the sequence sharded
+    on both mesh dims: Ulysses on the inner dim x each single-dim strategy on the outer one."""
     g = torch.Generator().manual_seed(11)
     rows = []
     m = mesh((4,))
@@ -460,6 +461,34 @@ def _striped_and_usp():
         rows.append(("striped", seq, sf, masking, heads, strategy, _errs(out, dts, want, ref),
                      tuple(out.placements) == tuple(layout) and all(tuple(d.grad.placements) == tuple(layout)
                                                                  for d in dts), work, kinds))
+    # masks on the striped layouts: each kernel call gets the mask's rows and keys at the
+    # positions the layout's runs hold
+    for seq, sf, kind, heads, strategy in itertools.product(
+            (32, 35), ("tokens", 4), ("window_small", "random", "documents"), ("mha", "gqa"),
+            ("allgather_kv", "ring", "ulysses")):
+        if (seq % 4 and sf == "tokens") or (strategy == "ulysses" and heads != "mha"):
+            continue
+        split = seq // 4 if sf == "tokens" else sf
+        h, hkv = HEADS[heads]
+        q, k, v, go, _, _ = _one_process(g, 2, h, hkv, seq, seq, False)
+        mask = _mask(kind, 2, h, seq, g)
+        ref = [t.clone().requires_grad_() for t in (q, k, v)]
+        want = F.scaled_dot_product_attention(*ref, attn_mask=mask, enable_gqa=hkv != h)
+        want.backward(go)
+        layout = [_StridedShard(2, split_factor=split)]
+        dts = [dtshard.distribute_tensor(t, m, layout).requires_grad_() for t in (q, k, v)]
+        old = dtshard.config.attention_cp
+        dtshard.config.attention_cp = strategy
+        try:
+            with CommCounter() as fwd:
+                out = F.scaled_dot_product_attention(*dts, attn_mask=mask, enable_gqa=hkv != h)
+            out.backward(dtshard.distribute_tensor(go, m, layout))
+        finally:
+            dtshard.config.attention_cp = old
+        kinds = {kind: fwd.count(kind) for kind in fwd.kinds()}
+        rows.append(("striped_masked", seq, sf, kind, heads, strategy, _errs(out, dts, want, ref),
+                     tuple(out.placements) == tuple(layout) and all(tuple(d.grad.placements) == tuple(layout)
+                                                                 for d in dts), None, kinds))
     m2 = mesh((2, 2))
     for seq, masking, heads, strategy in itertools.product((8, 11), ("causal", "none"), ("mha", "gqa"),
                                                             ("auto", "allgather_kv", "ring")):
@@ -489,6 +518,12 @@ def test_striped_causal_layouts_balance_the_work_and_usp_on_two_mesh_dims():
             case = f"rank {rank}: {kind} S={seq} sf={sf} {masking} {heads} {strategy}"
             assert err < 1e-9, f"{case}: rel error {err:.2e}"
             assert kept, f"{case}: the layout was not kept"
+            if kind == "striped_masked":  # the strategy's own collectives: not the rule's path
+                # (K and V gathered: an all_gather each, or an all_to_all each for an uneven
+                # strided layout, which the redistribute planner moves that way)
+                want = {"allgather_kv": ({"all_gather": 2}, {"all_to_all": 2}), "ring": ({"all_to_all": 3},),
+                        "ulysses": ({"all_to_all": 5},)}[strategy]
+                assert kinds in want, (case, kinds)
             if kind == "usp":
                 # Ulysses' all_to_alls on the inner mesh dim, the outer dim's strategy on dim 0
                 assert ("all_to_all", 1) in kinds and any(d == 0 for _, d in kinds), (case, kinds)
