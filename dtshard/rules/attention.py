@@ -32,9 +32,9 @@ The CPU kernel crashes (SIGFPE) on zero heads or zero query rows, which uneven s
 (4 heads over 3 ranks: 2, 2, 0), so the local function returns empty/zero results for empty inputs.
 
 **The CUDA kernels** (what ``F.scaled_dot_product_attention`` runs on a GPU, chosen from the
-DTensor's global metadata): ``_scaled_dot_product_flash_attention``, ``_scaled_dot_product_
-efficient_attention`` and ``_scaled_dot_product_cudnn_attention`` and their backwards get the same
-strategies (:func:`fused_cuda_rule`), with the arguments and outputs found by their schema names:
+DTensor's global metadata): ``_scaled_dot_product_flash_attention``,
+``_scaled_dot_product_efficient_attention`` and ``_scaled_dot_product_cudnn_attention`` and their
+backwards get the same strategies (:func:`fused_cuda_rule`), with the arguments and outputs found by their schema names:
 their log-sum-exp is float32 (efficient: ``(B, H, L)`` padded to a multiple of 32 rows, so a
 query-row shard passes the local-shape check only where every rank's rows are a multiple of 32;
 cuDNN: ``(B, H, L, 1)``); the dropout generator's state (``rng_state``/``philox_*``) is
@@ -162,7 +162,34 @@ def _named(call: OpCall, name: str, default=None):
     return call.arg(names.index(name), name, default) if name in names else default
 
 
-@register_rule(list(CUDA_FWD + CUDA_BWD), local=lambda op, *a, **kw: _cuda_local(op, *a, **kw))
+def _cuda_local(op, *args, **kwargs):
+    """The kernel on this rank's shards: empty shards give zeros of the meta kernel's shapes
+    (no launch), and without dropout the generator-state outputs are zeros, so their Replicate
+    DTensors hold the same values on every rank."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    operands = tensors[:4] if op in CUDA_BWD else tensors[:3]  # (grad_out,) q, k, v
+    if any(t.numel() == 0 for t in operands):
+        metas = op(*[a.to("meta") if isinstance(a, torch.Tensor) else a for a in args],
+                   **{n: a.to("meta") if isinstance(a, torch.Tensor) else a for n, a in kwargs.items()})
+        dev = tensors[0].device
+        return tuple(torch.zeros(m.shape, dtype=m.dtype, device=dev) if isinstance(m, torch.Tensor) else m
+                     for m in metas)
+    out = op(*args, **kwargs)
+    rng = _RNG_OUTPUTS.get(op)
+    if rng is None:
+        return out
+    names = op_facts(op).names
+    dropout = args[names.index("dropout_p")] if len(args) > names.index("dropout_p") else kwargs.get("dropout_p", 0.0)
+    if dropout:
+        return out
+    out = list(out)
+    for j in rng:
+        if isinstance(out[j], torch.Tensor):
+            out[j] = torch.zeros_like(out[j])
+    return tuple(out)
+
+
+@register_rule(list(CUDA_FWD + CUDA_BWD), local=_cuda_local)
 def fused_cuda_rule(call: OpCall):
     """Leading dims (batch; heads without grouped-query attention) sharded alike, query rows
     sharded against whole keys (not causal), and, in backward, a Partial grad_out: the strategies
@@ -198,30 +225,3 @@ def fused_cuda_rule(call: OpCall):
             ins = tuple(Partial(red) if r == "rows" and i == roles.index("rows") else R for i, r in enumerate(roles))
             strategies.append(((Partial(red),) * 3 + (R,) * (n_out - 3), ins))
     return strategies
-
-
-def _cuda_local(op, *args, **kwargs):
-    """The kernel on this rank's shards: empty shards give zeros of the meta kernel's shapes
-    (no launch), and without dropout the generator-state outputs are zeros, so their Replicate
-    DTensors hold the same values on every rank."""
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    if any(t.numel() == 0 for t in tensors[:3]) and op in CUDA_FWD or (
-            op in CUDA_BWD and any(t.numel() == 0 for t in tensors[:4])):
-        metas = op(*[a.to("meta") if isinstance(a, torch.Tensor) else a for a in args],
-                   **{n: a.to("meta") if isinstance(a, torch.Tensor) else a for n, a in kwargs.items()})
-        dev = tensors[0].device
-        return tuple(torch.zeros(m.shape, dtype=m.dtype, device=dev) if isinstance(m, torch.Tensor) else m
-                     for m in metas)
-    out = op(*args, **kwargs)
-    rng = _RNG_OUTPUTS.get(op)
-    if rng is None:
-        return out
-    names = op_facts(op).names
-    dropout = args[names.index("dropout_p")] if len(args) > names.index("dropout_p") else kwargs.get("dropout_p", 0.0)
-    if dropout:
-        return out
-    out = list(out)
-    for j in rng:
-        if isinstance(out[j], torch.Tensor):
-            out[j] = torch.zeros_like(out[j])
-    return tuple(out)
