@@ -6,6 +6,7 @@ readable in pytest ids and pickle trivially.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import torch
@@ -36,6 +37,18 @@ def P(s: str):
     if s.startswith("P"):
         return Partial(s[1:] or "sum")
     raise ValueError(s)
+
+
+@contextlib.contextmanager
+def forced_cp(strategy: str):
+    """``dtshard.config.attention_cp`` set to ``strategy`` inside the block (context parallelism's
+    strategy forced), restored after it."""
+    old = dtshard.config.attention_cp
+    dtshard.config.attention_cp = strategy
+    try:
+        yield
+    finally:
+        dtshard.config.attention_cp = old
 
 
 def Ps(strs) -> list:

@@ -28,7 +28,7 @@ from dtshard.debug import CommCounter
 from dtshard.rules import attention_cp
 from dtshard.testing import run_distributed
 
-from _cases import mesh
+from _cases import forced_cp, mesh
 
 HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}  # GQA 4:1; MQA: one key/value head
 
@@ -173,13 +173,11 @@ def _compiled_error(q, k, v, m, layout, strategy) -> float:
     dts = [dtshard.distribute_tensor(t, m, layout).requires_grad_() for t in (q, k, v)]
     fn = torch.compile(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=gqa),
                        backend="aot_eager", fullgraph=True)
-    old = dtshard.config.attention_cp
-    dtshard.config.attention_cp = strategy
     try:
-        out = fn(*dts)
-        out.sum().backward()
+        with forced_cp(strategy):
+            out = fn(*dts)
+            out.sum().backward()
     finally:
-        dtshard.config.attention_cp = old
         torch._dynamo.reset()
     return max(((a.full_tensor() - b).abs().max() / b.abs().max()).item()
                for a, b in zip([out] + [d.grad for d in dts], [want.detach()] + [r.grad for r in ref]))
@@ -447,16 +445,12 @@ def _striped_and_usp():
         q, k, v, go, ref, want = _one_process(g, 1, h, hkv, seq, kv_seq, causal)
         layout = [_StridedShard(2, split_factor=split)]
         dts = [dtshard.distribute_tensor(t, m, layout).requires_grad_() for t in (q, k, v)]
-        old = dtshard.config.attention_cp
-        dtshard.config.attention_cp = strategy
-        try:
+        with forced_cp(strategy):
             attention_cp.work_stats["pairs"] = 0
             with CommCounter() as fwd:
                 out = F.scaled_dot_product_attention(*dts, is_causal=causal, enable_gqa=hkv != h)
             work = attention_cp.work_stats["pairs"]
             out.backward(dtshard.distribute_tensor(go, m, layout))
-        finally:
-            dtshard.config.attention_cp = old
         kinds = {kind: fwd.count(kind) for kind in fwd.kinds()}
         rows.append(("striped", seq, sf, masking, heads, strategy, _errs(out, dts, want, ref),
                      tuple(out.placements) == tuple(layout) and all(tuple(d.grad.placements) == tuple(layout)
@@ -477,14 +471,10 @@ def _striped_and_usp():
         want.backward(go)
         layout = [_StridedShard(2, split_factor=split)]
         dts = [dtshard.distribute_tensor(t, m, layout).requires_grad_() for t in (q, k, v)]
-        old = dtshard.config.attention_cp
-        dtshard.config.attention_cp = strategy
-        try:
+        with forced_cp(strategy):
             with CommCounter() as fwd:
                 out = F.scaled_dot_product_attention(*dts, attn_mask=mask, enable_gqa=hkv != h)
             out.backward(dtshard.distribute_tensor(go, m, layout))
-        finally:
-            dtshard.config.attention_cp = old
         kinds = {kind: fwd.count(kind) for kind in fwd.kinds()}
         rows.append(("striped_masked", seq, sf, kind, heads, strategy, _errs(out, dts, want, ref),
                      tuple(out.placements) == tuple(layout) and all(tuple(d.grad.placements) == tuple(layout)
@@ -497,14 +487,10 @@ def _striped_and_usp():
         q, k, v, go, ref, want = _one_process(g, 2, h, hkv, seq, seq, causal)
         layout = [Shard(2), Shard(2)]
         dts = [dtshard.distribute_tensor(t, m2, layout).requires_grad_() for t in (q, k, v)]
-        old = dtshard.config.attention_cp
-        dtshard.config.attention_cp = strategy
-        try:
+        with forced_cp(strategy):
             with CommCounter() as fwd:
                 out = F.scaled_dot_product_attention(*dts, is_causal=causal, enable_gqa=hkv != h)
             out.backward(dtshard.distribute_tensor(go, m2, layout))
-        finally:
-            dtshard.config.attention_cp = old
         kinds = sorted({(r.kind, r.mesh_dim) for r in fwd.records})
         rows.append(("usp", seq, None, masking, heads, strategy, _errs(out, dts, want, ref),
                      tuple(out.placements) == tuple(layout), None, kinds))

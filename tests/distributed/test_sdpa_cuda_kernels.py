@@ -28,7 +28,7 @@ from dtshard.debug import CommCounter
 from dtshard.testing import run_distributed
 from dtshard.testing.sdpa_cuda_on_cpu import install
 
-from _cases import mesh
+from _cases import forced_cp, mesh
 
 aten = torch.ops.aten
 KERNELS = ("flash", "efficient", "cudnn")
@@ -182,16 +182,13 @@ def _run(world):
         want.backward(go)
         dts = [dtshard.distribute_tensor(t, m, placements).requires_grad_() for t in (q, k, v)]
         dgo = dtshard.distribute_tensor(go, m, placements)
-        old = dtshard.config.attention_cp
-        dtshard.config.attention_cp = {None: "auto", "none": "ulysses"}.get(forced, forced)
         try:
-            with CommCounter() as fwd:
-                out, lse, res = _call(kernel, *dts, causal, bias)
-            out.backward(dgo)
+            with forced_cp({None: "auto", "none": "ulysses"}.get(forced, forced)):  # backward too
+                with CommCounter() as fwd:
+                    out, lse, res = _call(kernel, *dts, causal, bias)
+                out.backward(dgo)
         except Exception as e:
             raise AssertionError(f"{kernel} {layout} causal={causal} seq={seq}/{kv_seq} heads={h}/{hkv}") from e
-        finally:
-            dtshard.config.attention_cp = old
         errs = [((a.full_tensor() - b).abs().max() / b.abs().max()).item()
                 for a, b in zip([out, lse] + [d.grad for d in dts], [want, want_lse] + [r.grad for r in ref])]
         plain = [type(t).__name__ for t in res if isinstance(t, torch.Tensor) and not isinstance(t, dtshard.DTensor)]
@@ -269,13 +266,11 @@ def _compiled(kernel, strategy):
     want.sum().backward()
     dts = [dtshard.distribute_tensor(t, mesh((2,)), [Shard(2)]).requires_grad_() for t in (q, k, v)]
     fn = torch.compile(lambda a, b, c: _call(kernel, a, b, c, True)[0], backend="aot_eager", fullgraph=True)
-    old = dtshard.config.attention_cp
-    dtshard.config.attention_cp = strategy
     try:
-        out = fn(*dts)
-        out.sum().backward()
+        with forced_cp(strategy):
+            out = fn(*dts)
+            out.sum().backward()
     finally:
-        dtshard.config.attention_cp = old
         torch._dynamo.reset()
     return max(((a.full_tensor() - b).abs().max() / b.abs().max()).item()
                for a, b in zip([out] + [d.grad for d in dts], [want.detach()] + [r.grad for r in ref]))
