@@ -162,17 +162,20 @@ def test_the_cost_picks_allgather_for_mqa_and_ulysses_for_mha():
     assert attention_cp._bytes("ring", q, kv1, kv1, 0) == attention_cp._bytes("allgather_kv", q, kv1, kv1, 0)
 
 
-def _compiled_error(q, k, v, m, layout, strategy) -> float:
+def _compiled_error(q, k, v, m, layout, strategy, attend=None) -> float:
     """One causal call under torch.compile(fullgraph=True) (a graph break raises) with ``strategy``
     forced, q, k, v laid out ``layout`` on ``m``: the largest relative error of the output and
-    dq/dk/dv against one process."""
-    gqa = k.shape[1] != q.shape[1]
+    dq/dk/dv against one process.  ``attend(q, k, v)``: the call (default: causal SDPA)."""
+    if attend is None:
+        gqa = k.shape[1] != q.shape[1]
+
+        def attend(a, b, c):
+            return F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=gqa)
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
-    want = F.scaled_dot_product_attention(*ref, is_causal=True, enable_gqa=gqa)
+    want = attend(*ref)
     want.sum().backward()
     dts = [dtshard.distribute_tensor(t, m, layout).requires_grad_() for t in (q, k, v)]
-    fn = torch.compile(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=gqa),
-                       backend="aot_eager", fullgraph=True)
+    fn = torch.compile(attend, backend="aot_eager", fullgraph=True)
     try:
         with forced_cp(strategy):
             out = fn(*dts)

@@ -22,13 +22,14 @@ import torch
 import torch.nn.functional as F
 
 import dtshard
-from dtshard import Replicate, Shard
+from dtshard import Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from dtshard.debug import CommCounter
 from dtshard.testing import run_distributed
 from dtshard.testing.sdpa_cuda_on_cpu import install
 
 from _cases import forced_cp, mesh
+from test_context_parallel import _compiled_error
 
 aten = torch.ops.aten
 KERNELS = ("flash", "efficient", "cudnn")
@@ -256,24 +257,10 @@ def test_gpu_checks_block_calls_run_on_the_stand_ins():
 def _compiled(kernel, strategy):
     """One causal call of ``kernel`` on sequence-sharded DTensors, forward and backward, under
     torch.compile(fullgraph=True) (aot_eager: the graph's ops run on the stand-ins)."""
-    import torch._dynamo
-
     install()
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(2, 4, 64, 8, dtype=torch.float64, generator=g) for _ in range(3))
-    ref = [t.clone().requires_grad_() for t in (q, k, v)]
-    want = _call(kernel, *ref, True)[0]
-    want.sum().backward()
-    dts = [dtshard.distribute_tensor(t, mesh((2,)), [Shard(2)]).requires_grad_() for t in (q, k, v)]
-    fn = torch.compile(lambda a, b, c: _call(kernel, a, b, c, True)[0], backend="aot_eager", fullgraph=True)
-    try:
-        with forced_cp(strategy):
-            out = fn(*dts)
-            out.sum().backward()
-    finally:
-        torch._dynamo.reset()
-    return max(((a.full_tensor() - b).abs().max() / b.abs().max()).item()
-               for a, b in zip([out] + [d.grad for d in dts], [want.detach()] + [r.grad for r in ref]))
+    return _compiled_error(q, k, v, mesh((2,)), [Shard(2)], strategy, lambda a, b, c: _call(kernel, a, b, c, True)[0])
 
 
 def test_compiled_fullgraph():
