@@ -754,7 +754,8 @@ def _attention_block_rows(device: str, L: int = 512) -> list[dict]:
     rows_out = []
     g = torch.Generator(device=device).manual_seed(0)
     B, H, E, n = 2, 8, 64, 4
-    for kind, dtype, causal, windowed in [("flash", torch.bfloat16, False, False), ("flash", torch.bfloat16, True, False),
+    for kind, dtype, causal, windowed in [("flash", torch.bfloat16, False, False),
+                                          ("flash", torch.bfloat16, True, False),
                                           ("efficient", torch.float32, True, False),
                                           ("efficient", torch.float32, False, True),
                                           ("cudnn", torch.bfloat16, True, False)]:

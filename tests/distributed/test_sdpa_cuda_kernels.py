@@ -4,9 +4,9 @@ their backwards), through dtshard's rules (batch / heads / query rows, rules/att
 the context-parallel strategies (rules/attention_cp.py).
 
 These ops have only CUDA kernels, so the CPU suite runs them on CPU stand-ins with the CUDA
-kernels' contracts (``dtshard/testing/sdpa_cuda_on_cpu.py``; checked here against ``F.scaled_dot_product_attention``
-first).  Each case calls the op on DTensors and on plain tensors in one process (the same
-stand-in) and compares the output, the log-sum-exp and dq/dk/dv on every rank, the layouts of the
+kernels' contracts (``dtshard/testing/sdpa_cuda_on_cpu.py``; checked here against
+``F.scaled_dot_product_attention`` first).  Each case calls the op on DTensors and on plain
+tensors in one process (the same stand-in) and compares the output, the log-sum-exp and dq/dk/dv on every rank, the layouts of the
 results (every tensor output a DTensor, out and grads laid out like q), and for the
 context-parallel strategies the collectives they issue.  ``benchmarks/gpu_check.sh`` runs the real
 kernels when a GPU is lent.  The log-sum-exp the kernels return is float32 (their contract), so a
@@ -102,8 +102,11 @@ def test_kernel_adapter_keeps_causal_blocks_square():
         wq, wk, wv = kern.backward(go, q, k, v, want, want_lse, 0.0, True)  # (square split inside too)
         real = kern.fwd_op
         try:
-            kern.fwd_op = lambda *a, **kw: calls.append((a[0].shape[-2], a[1].shape[-2], a[4 if kernel == "flash" else 6]))\
-                or real(*a, **kw)
+            def recording(*a, **kw):  # (query rows, keys, is_causal) of each kernel call
+                calls.append((a[0].shape[-2], a[1].shape[-2], a[4 if kernel == "flash" else 6]))
+                return real(*a, **kw)
+
+            kern.fwd_op = recording
             out, lse = kern(q, k, v, 0.0, True)
         finally:
             kern.fwd_op = real
