@@ -228,8 +228,9 @@ def _aligned_bias(mask, q, k):
 class _Family:
     """How one fused kernel's calls bind (schema names) and what its forward returns."""
 
-    def __init__(self, fwd_op, bwd_op, mask_name, kernel):
-        self.fwd_op, self.bwd_op, self.mask_name, self.kernel = fwd_op, bwd_op, mask_name, kernel
+    def __init__(self, fwd_op, mask_name, kernel, backward):
+        #: ``kernel`` / ``backward``: the forward / backward as the strategies call them on blocks
+        self.fwd_op, self.mask_name, self.kernel, self.backward = fwd_op, mask_name, kernel, backward
 
     def bind(self, op, args, kwargs) -> dict:
         return dict(zip(op_facts(op).names, bind(op, args, kwargs)))
@@ -268,15 +269,11 @@ class _Family:
         return tuple(res)
 
 
-_FAMILIES = {_FWD: _Family(_FWD, _BWD, "attn_mask", _FWD)}
-for _f, _b in zip(CUDA_FWD, CUDA_BWD):
-    _FAMILIES[_f] = _FAMILIES[_b] = _Family(_f, _b, None if _f is CUDA_FWD[0] else "attn_bias",
-                                            _CudaKernel(_f, _b))
+_FAMILIES = {_FWD: _Family(_FWD, "attn_mask", _FWD, _BWD)}
 _FAMILIES[_BWD] = _FAMILIES[_FWD]
-
-
-def _bwd_kernel(family):
-    return _BWD if family.kernel is _FWD else family.kernel.backward
+for _f, _b in zip(CUDA_FWD, CUDA_BWD):
+    _k = _CudaKernel(_f, _b)
+    _FAMILIES[_f] = _FAMILIES[_b] = _Family(_f, None if _f is CUDA_FWD[0] else "attn_bias", _k, _k.backward)
 
 
 def _with_arg(op, args, kwargs, name, value):
@@ -885,7 +882,7 @@ def sdpa_context_parallel_backward(op, args, kwargs):
     lse = _lse_rows(lse, q)
     if lse is None:
         return planned(op, args, kwargs)
-    kern = _bwd_kernel(fam)
+    kern = fam.backward
     n_out = len(op._schema.returns)
     usp = _usp_dims(q, k, v) if not dropout_p and attn_mask is None else None
     if usp is not None and all(type(t) is DTensor and t._spec.placements == q._spec.placements
