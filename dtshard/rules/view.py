@@ -10,6 +10,8 @@ being mislabelled.  All views pass Partial through unchanged (they only rearrang
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.distributed.tensor.placement_types import Partial, Shard, _StridedShard
 
@@ -85,14 +87,9 @@ def _view_meta(call: OpCall):
     if x.stride != contiguous_strides(x.shape) or not all(type(v) is int for v in size) \
             or sum(v == -1 for v in size) > 1 or any(v < -1 for v in size):
         return None
-    numel = 1
-    for v in x.shape:
-        numel *= v
+    numel = math.prod(x.shape)
     out = _resolve_shape(size, numel)
-    n = 1
-    for v in out:
-        n *= v
-    if n != numel:
+    if math.prod(out) != numel:
         return None
     return [TensorMeta(tuple(out), contiguous_strides(out), x.dtype)]
 
