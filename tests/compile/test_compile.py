@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 import torch.nn.functional as F
 
@@ -62,10 +61,13 @@ def _compiled_model(backend: str, steps: int):
     return losses, cnt.frame_count, sum(counters["graph_break"].values()), _max_param_diff(eager, compiled)
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_model_matches_eager(backend):
-    steps = 5 if backend == "aot_eager" else 2
-    for losses, frames, breaks, wdiff in run_distributed(_compiled_model, 2, backend, steps, timeout=600):
+def test_compiled_model_matches_eager():
+    """aot_eager: the same local ops as eager, so the tolerance is float32 summation order. Inductor
+    on tensor-parallel models is tested where it adds something (tests/README.md, "Where the
+    time goes"): FSDP x TP with bf16 parameters (fsdp/test_fsdp_compile.py) and the spatially
+    sharded UNet's halo ops (compile/test_compile_models.py); an inductor run of this block cost
+    ~40 s of the suite and checked nothing those two do not."""
+    for losses, frames, breaks, wdiff in run_distributed(_compiled_model, 2, "aot_eager", 5, timeout=600):
         eager, comp = losses[0::2], losses[1::2]
         torch.testing.assert_close(comp, eager, rtol=1e-5, atol=1e-6)
         assert breaks == 0, f"{breaks} graph breaks"

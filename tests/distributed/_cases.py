@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,33 @@ def forced_cp(strategy: str):
         yield
     finally:
         dtshard.config.attention_cp = old
+
+
+def plans_made_once(mesh_shape, shape, dtype, transitions) -> dict:
+    """The redistribute plans of ``transitions`` (pairs of placement tuples) for a tensor of
+    ``shape`` and ``dtype`` on a mesh of ``mesh_shape``, made once, here in the test's process,
+    for :func:`use_plans` on the ranks.
+
+    A plan is a pure function of this metadata (``dtshard.redistribute.planning.plan``: no mesh,
+    no rank), so every rank would make the same one; in the tests that run thousands of
+    transitions on 4-8 ranks sharing 2 cores, planning on every rank was most of their time.
+    What each rank then receives, holds and computes is still checked on every rank."""
+    from dtshard.redistribute import planning
+    from dtshard.validate.simulate import SimMesh
+
+    sim = SimMesh(mesh_shape)
+    stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
+    planning.clear_plan_cache()
+    for src, dst in transitions:
+        planning.plan(DTensorSpec(sim, tuple(src), tuple(shape), stride, dtype), tuple(dst))
+    return dict(planning._plan_cache)
+
+
+def use_plans(plans: dict) -> None:
+    """On a rank: take the plans of :func:`plans_made_once` as this process's planned transitions."""
+    from dtshard.redistribute import planning
+
+    planning._plan_cache.update(plans)
 
 
 def Ps(strs) -> list:

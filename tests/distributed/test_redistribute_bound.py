@@ -36,6 +36,8 @@ import dtshard
 from dtshard import Partial, Replicate, Shard
 from dtshard.testing import run_distributed
 
+from _cases import plans_made_once, use_plans  # noqa: E402
+
 OPS = ("sum", "avg", "max", "min")
 
 
@@ -164,10 +166,12 @@ def partial_to_shard_transitions(mesh_ndim, tensor_ndim):
 # ---------------------------------------------------------------------------------------------
 
 
-def _run(mesh_shape, shape, transitions):
+def _run(mesh_shape, shape, transitions, plans):
     """On each rank: every transition's bytes received, a layout problem (or ""), and the local
     result, whose values the parent checks against the global tensor (no collective here beyond
-    the redistribute itself: gathering every result on the workers would double the suite's time)."""
+    the redistribute itself: gathering every result on the workers would double the suite's time).
+    The plans were made once, in the parent (``plans_made_once``)."""
+    use_plans(plans)
     mesh = dtshard.init_device_mesh("cpu", mesh_shape)
     coord = tuple(mesh.get_coordinate())
     x = _global(shape)
@@ -217,7 +221,8 @@ def _value_problem(x, mesh_shape, dst, locals_by_coord) -> str:
 
 def _check(mesh_shape, shape, transitions):
     world = math.prod(mesh_shape)
-    answers = run_distributed(_run, world, tuple(mesh_shape), tuple(shape), transitions, timeout=600)
+    plans = plans_made_once(mesh_shape, shape, torch.float64, transitions)
+    answers = run_distributed(_run, world, tuple(mesh_shape), tuple(shape), transitions, plans, timeout=600)
     coords = [coord for coord, _ in answers]
     per_rank = [out for _, out in answers]
     x = _global(shape)

@@ -25,6 +25,8 @@ import dtshard
 from dtshard import Partial, Replicate, Shard
 from dtshard.testing import run_distributed
 
+from _cases import plans_made_once, use_plans  # noqa: E402
+
 
 def SS(d, sf):
     return _StridedShard(d, split_factor=sf)
@@ -160,12 +162,14 @@ def _min_received(shape, mesh_shape, src, dst):
     return most
 
 
-def _redistributes(mesh_shape, shape, transitions):
+def _redistributes(mesh_shape, shape, transitions, plans):
     """Each transition on every rank: its bytes received, and a problem unless this rank's local
     shard is exactly torch's own shard of the global tensor for ``dst`` (with no Partial among
     the placements, the ranks' shards together ARE the global value, so every rank passing is
     the value check; a ``full_tensor()`` per transition would add a collective as costly as the
-    redistribute under test, and its own path is tested by the transitions to Replicate)."""
+    redistribute under test, and its own path is tested by the transitions to Replicate).
+    The plans were made once, in the parent (``plans_made_once``)."""
+    use_plans(plans)
     mesh = dtshard.init_device_mesh("cpu", mesh_shape)
     coord = tuple(mesh.get_coordinate())
     x = torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape) * 0.5 - 3.0
@@ -189,7 +193,8 @@ def _check_redistributes(mesh_shape, shape, placements):
              for b in itertools.product(placements, repeat=len(mesh_shape))
              if any(isinstance(p, _StridedShard) for p in a + b)]
     world = math.prod(mesh_shape)
-    per_rank = run_distributed(_redistributes, world, mesh_shape, shape, trans, timeout=600)
+    plans = plans_made_once(mesh_shape, shape, torch.float64, trans)
+    per_rank = run_distributed(_redistributes, world, mesh_shape, shape, trans, plans, timeout=600)
     bad = []
     for k, (src, dst) in enumerate(trans):
         probs = [per_rank[r][k][1] for r in range(world) if per_rank[r][k][1]]
