@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 import dtshard
-from dtshard.spec import DTensorSpec
+from dtshard.spec import DTensorSpec, contiguous_strides
 
 _meshes: dict = {}
 
@@ -65,10 +64,9 @@ def plans_made_once(mesh_shape, shape, dtype, transitions) -> dict:
     from dtshard.validate.simulate import SimMesh
 
     sim = SimMesh(mesh_shape)
-    stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
     planning.clear_plan_cache()
     for src, dst in transitions:
-        planning.plan(DTensorSpec(sim, tuple(src), tuple(shape), stride, dtype), tuple(dst))
+        planning.plan(DTensorSpec(sim, tuple(src), tuple(shape), contiguous_strides(shape), dtype), tuple(dst))
     return dict(planning._plan_cache)
 
 
