@@ -34,8 +34,8 @@ The CPU kernel crashes (SIGFPE) on zero heads or zero query rows, which uneven s
 **The CUDA kernels** (what ``F.scaled_dot_product_attention`` runs on a GPU, chosen from the
 DTensor's global metadata): ``_scaled_dot_product_flash_attention``,
 ``_scaled_dot_product_efficient_attention`` and ``_scaled_dot_product_cudnn_attention`` and their
-backwards get the same strategies (:func:`fused_cuda_rule`), with the arguments and outputs found by their schema names:
-their log-sum-exp is float32 (efficient: ``(B, H, L)`` padded to a multiple of 32 rows, so a
+backwards get the same strategies (:func:`fused_cuda_rule`), with the arguments and outputs found
+by their schema names: their log-sum-exp is float32 (efficient: ``(B, H, L)`` padded to a multiple of 32 rows, so a
 query-row shard passes the local-shape check only where every rank's rows are a multiple of 32;
 cuDNN: ``(B, H, L, 1)``); the dropout generator's state (``rng_state``/``philox_*``) is
 replicated, zeros without dropout (the kernels leave it unset then); ``cum_seq_*`` are undefined

@@ -6,9 +6,9 @@ the context-parallel strategies (rules/attention_cp.py).
 These ops have only CUDA kernels, so the CPU suite runs them on CPU stand-ins with the CUDA
 kernels' contracts (``dtshard/testing/sdpa_cuda_on_cpu.py``; checked here against
 ``F.scaled_dot_product_attention`` first).  Each case calls the op on DTensors and on plain
-tensors in one process (the same stand-in) and compares the output, the log-sum-exp and dq/dk/dv on every rank, the layouts of the
-results (every tensor output a DTensor, out and grads laid out like q), and for the
-context-parallel strategies the collectives they issue.  ``benchmarks/gpu_check.sh`` runs the real
+tensors in one process (the same stand-in) and compares the output, the log-sum-exp and dq/dk/dv
+on every rank, the layouts of the results (every tensor output a DTensor, out and grads laid out
+like q), and for the context-parallel strategies the collectives they issue.  ``benchmarks/gpu_check.sh`` runs the real
 kernels when a GPU is lent.  The log-sum-exp the kernels return is float32 (their contract), so a
 merge of blocks agrees with one call to float32's precision, not float64's.
 """
