@@ -206,6 +206,22 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
     return _fc.wait_tensor(t)
 
 
+def waited(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or, for a collective's result still in flight (PyTorch's
+    ``AsyncCollectiveTensor``, see :class:`in_flight`), the finished plain tensor.
+
+    For results that leave dtshard with an autograd history (``DTensor.to_local()`` of a tensor
+    that requires grad): torch 2.13's AOTAutograd replaces an ``AsyncCollectiveTensor`` input of a
+    compiled region by its waited inner tensor, which has no autograd history, so the gradient of
+    everything before the region (an embedding in front of a compiled transformer block) would
+    silently be zero."""
+    if type(t) is torch.Tensor:
+        return t
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return t.trigger_wait() if isinstance(t, AsyncCollectiveTensor) else t
+
+
 def _notify(kind: str, mesh_dim, nbytes: int, group_size: int, recv: int | None = None) -> None:
     """Tell the observers (CommCounter) of one collective: its kind, the mesh dim (a tuple for a
     flattened group), bytes this rank sends, and bytes it receives (by default what the kind's

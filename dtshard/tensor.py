@@ -650,7 +650,8 @@ class _ToLocal(torch.autograd.Function):
     def forward(ctx, dt: DTensor, grad_placements):
         ctx.spec = dt._spec
         ctx.grad_placements = grad_placements
-        return dt._local_tensor.view_as(dt._local_tensor)
+        local = C.waited(dt._local_tensor)  # never an in-flight result: see collectives.waited
+        return local.view_as(local)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+import torch
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from dtshard import layout as L
@@ -178,7 +179,17 @@ def plan(spec: DTensorSpec, dst: Sequence[Placement]) -> tuple[Step, ...]:
     src = tuple(spec.placements)
     dst = tuple(dst)
     key = (src, dst, spec.shape, spec.mesh_shape, spec.dtype)
-    hit = _plan_cache.get(key)
+    try:
+        hit = _plan_cache.get(key)
+    except TypeError:  # a symbolic size (torch.compile's dynamic shapes) is not hashable
+        if not any(type(d) is torch.SymInt for d in spec.shape):
+            raise
+        raise NotImplementedError(
+            f"dtshard: redistribute of a DTensor of symbolic (dynamic) global shape {tuple(spec.shape)} "
+            f"from {placements_str(src)} to {placements_str(dst)} on mesh {tuple(spec.mesh_shape)}: plans "
+            "need concrete shapes. Compile with torch.compile(..., dynamic=False), or mark the inputs "
+            "static (torch._dynamo.mark_static); a recompilation of the same code with other sizes (a "
+            "second model, another FSDP group's hooks) otherwise turns the changed sizes dynamic.") from None
     if hit is not None:
         return hit
     if src == dst:

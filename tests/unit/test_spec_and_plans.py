@@ -298,3 +298,15 @@ def test_transition_lower_bound_never_exceeds_the_planned_cost():
             assert 0 <= transition_lower_bound(s, dst) <= cost * (1 + 1e-9), (src, dst, shape)
             checked += 1
     assert checked > 2000
+
+
+def test_a_symbolic_shape_gets_a_clear_redistribute_error():
+    """torch.compile's dynamic shapes reach the planner as SymInts (a recompilation of FSDP hooks
+    with other sizes): a clear error naming the shape, the placements and what to do, not Python's
+    'unhashable type'."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    n = ShapeEnv().create_unbacked_symint()
+    s = DTensorSpec(FakeMesh(2), (Shard(0),), (n, 4), (4, 1), torch.float32)
+    with pytest.raises(NotImplementedError, match=r"symbolic \(dynamic\) global shape .*S\(0\).*R.*dynamic=False"):
+        plan(s, (Replicate(),))
