@@ -11,11 +11,17 @@ with rows masked everywhere, additive sliding windows below and above the local 
 and (1, 1, L, S)), 3 causal documents (boolean (B, 1, L, S), a Replicate DTensor)} x the same heads,
 meshes and sequences: the same checks, mask_kv's forward bytes within a window's K/V and under
 the whole K/V, each mask read once; compiled with fullgraph=True; the mask agreement check.
+
+Both matrices run eagerly here; a sample of them compiled (each compile costs ~1.3 s of CPU a
+rank). ``python tools/cp_matrix.py`` runs every case of both compiled (``_run(..., compiled=True)``)
+with the same verdicts (``check_strategies``, ``check_masked``) and records its last run in
+``last_cp_matrix.json``.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -52,7 +58,22 @@ def _layout(mesh_shape):
     return m, placements, seq_dim_of_mesh, mesh_shape[seq_dim_of_mesh]
 
 
-def _run(mesh_shape):
+def _attend(compiled: bool, **kw):
+    """``F.scaled_dot_product_attention(q, k, v, **kw, **more)``; with ``compiled``, under
+    ``torch.compile(fullgraph=True)`` (aot_eager, static shapes, Dynamo reset first: every case is
+    a compile of its own, and a graph break raises)."""
+    def attend(q, k, v, **more):
+        return F.scaled_dot_product_attention(q, k, v, **kw, **more)
+
+    if not compiled:
+        return attend
+    torch._dynamo.reset()
+    return torch.compile(attend, backend="aot_eager", fullgraph=True, dynamic=False)
+
+
+def _run(mesh_shape, compiled=False):
+    """The unmasked matrix on ``mesh_shape``, eager or (``compiled``) each call compiled; the
+    compiled run's collectives are the graph's, so its counts are not recorded."""
     m, placements, seq_dim_of_mesh, n = _layout(mesh_shape)
     results = []
     for strategy, masking, heads, seq in _cases(n):
@@ -74,11 +95,13 @@ def _run(mesh_shape):
         old = dtshard.config.attention_cp
         dtshard.config.attention_cp = strategy
         try:
+            attend = _attend(compiled, is_causal=causal, enable_gqa=gqa)
             with CommCounter() as fwd:
-                out = F.scaled_dot_product_attention(*dts, is_causal=causal, enable_gqa=gqa)
+                out = attend(*dts)
             out.backward(dgo)
         except Exception as e:
-            raise AssertionError(f"{strategy}, {masking}, {heads}, seq {seq} on mesh {mesh_shape}") from e
+            raise AssertionError(f"{strategy}, {masking}, {heads}, seq {seq} on mesh {mesh_shape}"
+                                 f"{' (compiled)' if compiled else ''}") from e
         finally:
             dtshard.config.attention_cp = old
         errs = [((a.full_tensor() - b).abs().max() / b.abs().max()).item()
@@ -93,20 +116,20 @@ def _run(mesh_shape):
     return results
 
 
-@pytest.mark.parametrize("mesh_shape", [(2,), (4,), (2, 2)], ids=["2", "4", "2x2"])
-def test_sequence_sharded_attention_strategies(mesh_shape):
-    world = 1
-    for s in mesh_shape:
-        world *= s
-    per_rank = run_distributed(_run, world, mesh_shape)
-    ran = set()
+def check_strategies(per_rank, mesh_shape, compiled=False) -> int:
+    """The verdict on :func:`_run`'s results from every rank (the test's, and
+    ``tools/cp_matrix.py``'s on the compiled matrix); returns the number of cases checked."""
+    ran, cases = set(), 0
     for rank_results in per_rank:
         for strategy, masking, heads, seq, applies, err, laid_out, received, kv_once, kinds in rank_results:
-            case = (strategy, masking, heads, seq, mesh_shape)
+            case = (strategy, masking, heads, seq, mesh_shape, "compiled" if compiled else "eager")
+            cases += 1
             assert err < 1e-9, (case, err)
             if applies:  # (else the rule's plan ran, with the layout it chose)
                 assert laid_out, case
                 ran.add((strategy, heads))
+                if compiled:
+                    continue
                 if strategy == "allgather_kv":  # K and V gathered, nothing else moves
                     assert kinds == {"all_gather": 2}, (case, kinds)
                     assert received <= 1.25 * kv_once + 1, (case, received, kv_once)
@@ -118,6 +141,12 @@ def test_sequence_sharded_attention_strategies(mesh_shape):
     # all-gather of K/V and the ring run for every head layout; ulysses where the heads divide
     assert {(s, h) for s in ("allgather_kv", "ring") for h in HEADS} <= ran
     assert ("ulysses", "mha") in ran
+    return cases
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (4,), (2, 2)], ids=["2", "4", "2x2"])
+def test_sequence_sharded_attention_strategies(mesh_shape):
+    check_strategies(run_distributed(_run, math.prod(mesh_shape), mesh_shape), mesh_shape)
 
 
 def test_the_cost_picks_allgather_for_mqa_and_ulysses_for_mha():
@@ -166,16 +195,15 @@ def _compiled_error(q, k, v, m, layout, strategy, attend=None) -> float:
     """One causal call under torch.compile(fullgraph=True) (a graph break raises) with ``strategy``
     forced, q, k, v laid out ``layout`` on ``m``: the largest relative error of the output and
     dq/dk/dv against one process.  ``attend(q, k, v)``: the call (default: causal SDPA)."""
-    if attend is None:
-        gqa = k.shape[1] != q.shape[1]
-
-        def attend(a, b, c):
-            return F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=gqa)
+    if attend is None:  # (the compiled form tools/cp_matrix.py runs the whole matrix in)
+        eager = _attend(False, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        fn = _attend(True, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+    else:
+        eager, fn = attend, torch.compile(attend, backend="aot_eager", fullgraph=True)
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
-    want = attend(*ref)
+    want = eager(*ref)
     want.sum().backward()
     dts = [dtshard.distribute_tensor(t, m, layout).requires_grad_() for t in (q, k, v)]
-    fn = torch.compile(attend, backend="aot_eager", fullgraph=True)
     try:
         with forced_cp(strategy):
             out = fn(*dts)
@@ -237,7 +265,8 @@ def _mask(kind, b, h, seq, g):
     return m
 
 
-def _run_masked(mesh_shape):
+def _run_masked(mesh_shape, compiled=False):
+    """The masked matrix on ``mesh_shape``, eager or (``compiled``) each call compiled."""
     m, placements, seq_dim_of_mesh, n = _layout(mesh_shape)
     other = mesh_shape[0] if len(mesh_shape) == 2 else 1
     results = []
@@ -267,8 +296,9 @@ def _run_masked(mesh_shape):
             dtshard.config.attention_cp = strategy
             misses = attention_cp.mask_table_stats["misses"]
             try:
+                attend = _attend(compiled, enable_gqa=gqa)
                 with CommCounter() as fwd:
-                    out = F.scaled_dot_product_attention(*dts, attn_mask=dmask, enable_gqa=gqa)
+                    out = attend(*dts, attn_mask=dmask)
                 out.backward(dgo)
                 misses = attention_cp.mask_table_stats["misses"] - misses  # forward and backward
                 lse_err = 0.0
@@ -278,7 +308,8 @@ def _run_masked(mesh_shape):
                     _, want_lse = op(q, k, v, attn_mask=float_mask)
                     lse_err = (lse.full_tensor() - want_lse).abs().max().item()
             except Exception as e:
-                raise AssertionError(f"{strategy}, {kind}, {heads}, seq {seq} on mesh {mesh_shape}") from e
+                raise AssertionError(f"{strategy}, {kind}, {heads}, seq {seq} on mesh {mesh_shape}"
+                                     f"{' (compiled)' if compiled else ''}") from e
             finally:
                 dtshard.config.attention_cp = old
             applies = attention_cp._bytes(strategy, *dts, seq_dim_of_mesh, float_mask) is not None
@@ -292,6 +323,37 @@ def _run_masked(mesh_shape):
     return results
 
 
+def check_masked(per_rank, mesh_shape, compiled=False) -> int:
+    """The verdict on :func:`_run_masked`'s results from every rank (the test's, and
+    ``tools/cp_matrix.py``'s on the compiled matrix); returns the number of cases checked.
+    Compiled, mask_kv cannot read the traced mask, so the call takes the rule's path (its values
+    are checked; its layout is the rule's)."""
+    n = mesh_shape[-1]
+    ran, cases = set(), 0
+    for rank_results in per_rank:
+        for strategy, kind, heads, seq, applies, err, lse_err, laid_out, received, row, full, misses in rank_results:
+            case = (strategy, kind, heads, seq, mesh_shape, "compiled" if compiled else "eager")
+            cases += 1
+            assert err < 1e-9, (case, err)
+            assert lse_err < 1e-9, (case, lse_err)
+            if not applies or (compiled and strategy == "mask_kv"):
+                continue
+            assert laid_out, case
+            ran.add((strategy, kind))
+            if compiled:
+                continue
+            assert misses == (1 if strategy == "mask_kv" else 0), (case, misses)  # once per mask
+            if strategy == "mask_kv" and kind in WINDOW:
+                w = WINDOW[kind]
+                assert received <= 1.25 * w * row, (case, received, w * row)
+                if w <= seq // n:  # a halo of w - 1 rows, under the whole K/V
+                    assert received < full, (case, received, full)
+    strategies = ("allgather_kv", "ring") if compiled else ("allgather_kv", "ring", "mask_kv")
+    assert {(s, k) for s in strategies for k in MASKS} <= ran, ran
+    assert {("ulysses", k) for k in MASKS} <= ran
+    return cases
+
+
 @pytest.mark.parametrize("mesh_shape", [(2,), (4,), (2, 2)], ids=["2", "4", "2x2"])
 def test_masked_attention_strategies(mesh_shape):
     """Every strategy x {random boolean mask, with rows masked everywhere, sliding window below
@@ -299,29 +361,7 @@ def test_masked_attention_strategies(mesh_shape):
     values and gradients as one process (rel 1e-9), layouts kept; mask_kv receives a window's
     halo (at most the window's K/V, less than the whole K/V when the window is under the local
     length) and reads each mask once."""
-    world = 1
-    for s in mesh_shape:
-        world *= s
-    per_rank = run_distributed(_run_masked, world, mesh_shape)
-    n = mesh_shape[-1]
-    ran = set()
-    for rank_results in per_rank:
-        for strategy, kind, heads, seq, applies, err, lse_err, laid_out, received, row, full, misses in rank_results:
-            case = (strategy, kind, heads, seq, mesh_shape)
-            assert err < 1e-9, (case, err)
-            assert lse_err < 1e-9, (case, lse_err)
-            if not applies:
-                continue
-            assert laid_out, case
-            ran.add((strategy, kind))
-            assert misses == (1 if strategy == "mask_kv" else 0), (case, misses)  # once per mask
-            if strategy == "mask_kv" and kind in WINDOW:
-                w = WINDOW[kind]
-                assert received <= 1.25 * w * row, (case, received, w * row)
-                if w <= seq // n:  # a halo of w - 1 rows, under the whole K/V
-                    assert received < full, (case, received, full)
-    assert {(s, k) for s in ("allgather_kv", "ring", "mask_kv") for k in MASKS} <= ran, ran
-    assert {("ulysses", k) for k in MASKS} <= ran
+    check_masked(run_distributed(_run_masked, math.prod(mesh_shape), mesh_shape), mesh_shape)
 
 
 def _compiled_masked():

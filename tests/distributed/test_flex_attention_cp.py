@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 import dtshard
 from dtshard import Replicate, Shard
 from dtshard.debug import CommCounter
+from dtshard.experimental import implicit_replication
 from dtshard.testing import run_distributed
 
 from _cases import mesh
@@ -91,9 +93,12 @@ def _no_dynamo(on: bool):
         fa._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = old
 
 
-def _check(m, placements, seq, heads, mask_mod, mb, score_mod, block, dynamo):
+def _check(m, placements, seq, heads, mask_mod, mb, score_mod, block, dynamo, compiled=False):
     """One case: (max abs error of out, of lse, layouts kept, collective kinds, bytes received,
-    bytes an all-gather of K and V receives)."""
+    bytes an all-gather of K and V receives).  ``dynamo``: flex_attention's own Dynamo path;
+    ``compiled``: the call inside ``torch.compile(fullgraph=True)`` (aot_eager, static shapes),
+    under ``implicit_replication()`` (a mod that indexes a captured plain tensor, the document ids,
+    is traced with 0-d DTensor indices)."""
     q, k, v = _inputs(seq, heads)
     gqa = q.shape[1] != k.shape[1]
     bm = None if mask_mod is None else create_block_mask(mask_mod, mb, None, seq, seq, device="cpu",
@@ -101,8 +106,17 @@ def _check(m, placements, seq, heads, mask_mod, mb, score_mod, block, dynamo):
     with _no_dynamo(True):
         want, want_lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=gqa, return_lse=True)
     dts = [dtshard.distribute_tensor(t, m, placements) for t in (q, k, v)]
-    with _no_dynamo(not dynamo), CommCounter() as comm:
-        out, lse = flex_attention(*dts, score_mod=score_mod, block_mask=bm, enable_gqa=gqa, return_lse=True)
+    if compiled:
+        torch._dynamo.reset()
+        fn = torch.compile(lambda a, b, c: flex_attention(a, b, c, score_mod=score_mod, block_mask=bm, enable_gqa=gqa,
+                                                          return_lse=True),
+                           backend="aot_eager", fullgraph=True, dynamic=False)
+        with implicit_replication():
+            out, lse = fn(*dts)
+        dynamo = True  # (the trace's run on fake tensors is counted too: no counts)
+    else:
+        with _no_dynamo(not dynamo), CommCounter() as comm:
+            out, lse = flex_attention(*dts, score_mod=score_mod, block_mask=bm, enable_gqa=gqa, return_lse=True)
     coord = m.get_coordinate()
     laid_out = all(type(t) is dtshard.DTensor and tuple(t.placements) == tuple(placements)
                    and tuple(t._local_tensor.shape) == tuple(t._spec.local_shape(coord)) for t in (out, lse))
@@ -116,7 +130,9 @@ def _check(m, placements, seq, heads, mask_mod, mb, score_mod, block, dynamo):
     return errs, laid_out, {kind: comm.count(kind) for kind in comm.kinds()}, int(comm.received()), gathered
 
 
-def _run(mesh_shape):
+def _run(mesh_shape, compiled=False):
+    """The matrix on ``mesh_shape``: eagerly (the HOP without Dynamo, and one case through
+    flex_attention's own Dynamo path), or every case compiled (``tools/cp_matrix.py``)."""
     m = mesh(mesh_shape)
     placements = [Replicate()] * len(mesh_shape)
     placements[-1] = Shard(2)
@@ -130,9 +146,12 @@ def _run(mesh_shape):
             block = 128 if seq % n == 0 else 2 if name == "window_wide" else 3
             case = (name, block, heads, seq, mesh_shape)
             try:
-                results.append((case, False) + _check(m, placements, seq, heads, mask_mod, mb, score_mod, block, False))
+                results.append((case, compiled) + _check(m, placements, seq, heads, mask_mod, mb, score_mod, block,
+                                                         False, compiled))
             except Exception as e:
-                raise AssertionError(case) from e
+                raise AssertionError(case + (("compiled",) if compiled else ())) from e
+    if compiled:
+        return results
     # through Dynamo, as flex_attention runs by default (score_mod and mask_mod traced into
     # GraphModules; the HOP run once on fake tensors for metadata, then on the real ones)
     seq = 2 * n + 3
@@ -144,16 +163,14 @@ def _run(mesh_shape):
     return results
 
 
-@pytest.mark.parametrize("mesh_shape", [(2,), (4,), (2, 2)], ids=["2", "4", "2x2"])
-def test_flex_attention_on_sequence_shards(mesh_shape):
-    world = 1
-    for s in mesh_shape:
-        world *= s
-    per_rank = run_distributed(_run, world, mesh_shape)
-    selective = 0
+def check_flex(per_rank, mesh_shape, compiled=False) -> int:
+    """The verdict on :func:`_run`'s results from every rank (the test's, and
+    ``tools/cp_matrix.py``'s on the compiled matrix); returns the number of cases checked."""
+    selective, cases = 0, 0
     for rank_results in per_rank:
         assert len(rank_results) == len(per_rank[0])
         for case, dynamo, (err_out, err_lse), laid_out, kinds, received, gathered in rank_results:
+            cases += 1
             assert err_out < 1e-12 and err_lse < 1e-12, (case, err_out, err_lse)
             assert laid_out, case
             if dynamo:
@@ -166,7 +183,13 @@ def test_flex_attention_on_sequence_shards(mesh_shape):
                 assert kinds in ({"all_to_all": 1}, {"all_gather": 2}), (case, kinds)
                 assert received <= gathered, (case, received, gathered)
                 selective += kinds == {"all_to_all": 1}
-    assert selective > 0
+    assert compiled or selective > 0
+    return cases
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (4,), (2, 2)], ids=["2", "4", "2x2"])
+def test_flex_attention_on_sequence_shards(mesh_shape):
+    check_flex(run_distributed(_run, math.prod(mesh_shape), mesh_shape), mesh_shape)
 
 
 def _windowed_receives_less(world):
@@ -245,7 +268,8 @@ def _compiled(world):
     """torch.compile(fullgraph=True) (aot_eager: the traced graph holds the K/V gather and the local
     block mask made from the wrapped mask_mod); and the known limit: through Dynamo a mod that
     indexes a captured plain tensor raises dtshard's mixed-tensor error (Dynamo's example indices
-    for the mods are 0-d DTensors), never a wrong result."""
+    for the mods are 0-d DTensors), never a wrong result (under ``implicit_replication()`` it runs:
+    ``tools/cp_matrix.py`` compiles the document masks that way)."""
     m = mesh((world,))
     seq = 2 * world + 3
     q, k, v = _inputs(seq, "gqa")
