@@ -27,6 +27,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.device_mesh import init_device_mesh as _torch_init_device_mesh
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_mode
 
+from dtshard import hooks
+
 __all__ = [
     "all_gather",
     "all_reduce",
@@ -120,11 +122,11 @@ def flat_group(mesh: DeviceMesh, dims: tuple[int, ...]):
     pg = _flat_groups.get(key)
     if pg is None:
         coord = mesh_coordinate(mesh)
-        # the mesh's rank table is a real tensor: read it outside any fake mode (the group is
-        # created on first use, which may be while torch.compile traces)
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        # the mesh's rank table is a real tensor: read it outside any fake or tracing mode (the
+        # group is created on first use, which may be while torch.compile traces)
+        from torch.utils._python_dispatch import _disable_current_modes
 
-        with unset_fake_temporarily():
+        with _disable_current_modes():
             table = mesh.mesh.tolist()
         ranks = []
         for c in group_coords(tuple(mesh.shape), dims, coord):
@@ -255,6 +257,7 @@ def mesh_coordinate(mesh: DeviceMesh) -> tuple[int, ...]:
     return hit[1]
 
 
+@hooks.constant_result  # a parallel style's hook asks it inside compiled blocks (the rank tables do not trace)
 def sub_mesh_dims(big: DeviceMesh, sub: DeviceMesh) -> tuple[int, ...] | None:
     """The dims of ``big`` that ``sub`` is, for this rank: ``sub`` a sub-mesh of ``big`` (a slice
     ``big[names]`` through this rank, e.g. a tensor-parallel ``mesh["tp"]`` of a ``(dp, cp, tp)``
@@ -270,7 +273,11 @@ def sub_mesh_dims(big: DeviceMesh, sub: DeviceMesh) -> tuple[int, ...] | None:
     if coord is None:
         return None
     index = tuple(slice(None) if d in dims else c for d, c in enumerate(coord))
-    return dims if big.mesh[index].tolist() == sub.mesh.tolist() else None
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():  # the rank tables are real tensors (a dispatch may run under a fake or tracing mode)
+        same = big.mesh[index].tolist() == sub.mesh.tolist()
+    return dims if same else None
 
 
 def is_member(mesh: DeviceMesh) -> bool:

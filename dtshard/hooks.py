@@ -10,6 +10,9 @@ importing Dynamo eagerly would add about a second to ``import dtshard``):
 
 - :func:`in_graph`: a function that becomes ONE node of a compiled graph
   (``torch.compiler.allow_in_graph``), e.g. ``from_local`` with grad;
+- :func:`constant_result`: a pure function of metadata that Dynamo calls while tracing and takes
+  the result of as a constant (``torch.compiler.assume_constant_result``), e.g. a question about
+  meshes whose body reads a mesh's rank table (a real tensor that does not trace);
 - :func:`runtime_entry_points`: functions PyTorch's runtime calls while no graph is traced (the
   dispatcher, autograd Functions' backward, end-of-backward callbacks).  Dynamo skips them and
   everything they call, as PyTorch's DTensor does with ``torch._disable_dynamo``;
@@ -42,10 +45,11 @@ from __future__ import annotations
 import sys
 from typing import Callable, NamedTuple
 
-__all__ = ["LAYOUT_VERSION", "LayoutExtension", "extension_of", "grad_settler", "grad_settlers", "in_graph",
-           "layout_extension", "layout_extensions", "on_dynamo_import", "runtime_entry_points"]
+__all__ = ["LAYOUT_VERSION", "LayoutExtension", "constant_result", "extension_of", "grad_settler", "grad_settlers",
+           "in_graph", "layout_extension", "layout_extensions", "on_dynamo_import", "runtime_entry_points"]
 
 _in_graph: list = []
+_constants: list = []
 _entry_points: list = []
 _on_dynamo: list = []
 _dynamo_ready = [False]
@@ -58,6 +62,17 @@ def in_graph(fn):
     _in_graph.append(fn)
     if _dynamo_ready[0]:
         _allow_in_graph(fn)
+    return fn
+
+
+def constant_result(fn):
+    """Decorator: while torch.compile traces, ``fn`` runs as plain Python and its result is a
+    constant of the graph (``torch.compiler.assume_constant_result``).  Only for pure functions of
+    metadata every rank knows the same at trace and at run time (meshes, placements); its
+    arguments must be constants to Dynamo (meshes, ints, tuples)."""
+    _constants.append(fn)
+    if _dynamo_ready[0]:
+        _assume_constant(fn)
     return fn
 
 
@@ -127,6 +142,12 @@ def _allow_in_graph(fn) -> None:
     torch.compiler.allow_in_graph(fn)
 
 
+def _assume_constant(fn) -> None:
+    import torch
+
+    torch.compiler.assume_constant_result(fn)
+
+
 def _skip(fns) -> None:
     # SKIP for the frame AND for every frame it calls: Dynamo's own ``skip_code`` skips only the
     # frame itself, and then compiles each function it calls as a frame of its own.
@@ -142,6 +163,8 @@ def _dynamo_imported() -> None:
     _dynamo_ready[0] = True
     for fn in _in_graph:
         _allow_in_graph(fn)
+    for fn in _constants:
+        _assume_constant(fn)
     _skip(_entry_points)
     for callback in _on_dynamo:
         callback()
