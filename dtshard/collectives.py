@@ -122,12 +122,7 @@ def flat_group(mesh: DeviceMesh, dims: tuple[int, ...]):
     pg = _flat_groups.get(key)
     if pg is None:
         coord = mesh_coordinate(mesh)
-        # the mesh's rank table is a real tensor: read it outside any fake or tracing mode (the
-        # group is created on first use, which may be while torch.compile traces)
-        from torch.utils._python_dispatch import _disable_current_modes
-
-        with _disable_current_modes():
-            table = mesh.mesh.tolist()
+        table = _rank_table(mesh)  # (the group is created on first use, maybe while torch.compile traces)
         ranks = []
         for c in group_coords(tuple(mesh.shape), dims, coord):
             r = table
@@ -273,11 +268,17 @@ def sub_mesh_dims(big: DeviceMesh, sub: DeviceMesh) -> tuple[int, ...] | None:
     if coord is None:
         return None
     index = tuple(slice(None) if d in dims else c for d, c in enumerate(coord))
+    return dims if _rank_table(big, index) == _rank_table(sub) else None
+
+
+def _rank_table(mesh: DeviceMesh, index: tuple = ()) -> list:
+    """``mesh.mesh[index].tolist()``: the ranks of the mesh (or of a slice of it), read outside any
+    fake or tracing dispatch mode (the table is a real tensor, and dtshard may ask while
+    torch.compile traces)."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    with _disable_current_modes():  # the rank tables are real tensors (a dispatch may run under a fake or tracing mode)
-        same = big.mesh[index].tolist() == sub.mesh.tolist()
-    return dims if same else None
+    with _disable_current_modes():
+        return mesh.mesh[index].tolist()
 
 
 def is_member(mesh: DeviceMesh) -> bool:
