@@ -65,10 +65,13 @@ def _attend(compiled: bool, **kw):
     def attend(q, k, v, **more):
         return F.scaled_dot_product_attention(q, k, v, **kw, **more)
 
-    if not compiled:
-        return attend
+    return _compile(attend) if compiled else attend
+
+
+def _compile(fn):
+    """``fn`` under ``torch.compile(fullgraph=True)`` (aot_eager, static shapes), Dynamo reset first."""
     torch._dynamo.reset()
-    return torch.compile(attend, backend="aot_eager", fullgraph=True, dynamic=False)
+    return torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=False)
 
 
 def _run(mesh_shape, compiled=False):
@@ -196,12 +199,10 @@ def _compiled_error(q, k, v, m, layout, strategy, attend=None) -> float:
     forced, q, k, v laid out ``layout`` on ``m``: the largest relative error of the output and
     dq/dk/dv against one process.  ``attend(q, k, v)``: the call (default: causal SDPA)."""
     if attend is None:  # (the compiled form tools/cp_matrix.py runs the whole matrix in)
-        eager = _attend(False, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
-        fn = _attend(True, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
-    else:
-        eager, fn = attend, torch.compile(attend, backend="aot_eager", fullgraph=True)
+        attend = _attend(False, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+    fn = _compile(attend)
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
-    want = eager(*ref)
+    want = attend(*ref)
     want.sum().backward()
     dts = [dtshard.distribute_tensor(t, m, layout).requires_grad_() for t in (q, k, v)]
     try:

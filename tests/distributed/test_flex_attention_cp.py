@@ -113,7 +113,6 @@ def _check(m, placements, seq, heads, mask_mod, mb, score_mod, block, dynamo, co
                            backend="aot_eager", fullgraph=True, dynamic=False)
         with implicit_replication():
             out, lse = fn(*dts)
-        dynamo = True  # (the trace's run on fake tensors is counted too: no counts)
     else:
         with _no_dynamo(not dynamo), CommCounter() as comm:
             out, lse = flex_attention(*dts, score_mod=score_mod, block_mask=bm, enable_gqa=gqa, return_lse=True)
@@ -125,7 +124,7 @@ def _check(m, placements, seq, heads, mask_mod, mb, score_mod, block, dynamo, co
     others = m.shape[0] if len(m.shape) == 2 else 1
     row = 8 * k.element_size() * k.shape[0] * k.shape[1] // others  # one key (or value) row of this rank
     gathered = sum((n - 1) * -(-seq // n) * row for _ in (k, v))  # padded to the largest chunk
-    if dynamo:  # (the trace's run on fake tensors is counted too)
+    if dynamo or compiled:  # (a trace's run on fake tensors would be counted too)
         return errs, laid_out, {}, 0, gathered
     return errs, laid_out, {kind: comm.count(kind) for kind in comm.kinds()}, int(comm.received()), gathered
 
