@@ -450,7 +450,7 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
         )
         in_specs = [s.with_placements(t) for s, t in zip(specs, ins)]
         ok = _check_local(op, meta_args, meta_kwargs, in_specs, out_specs, mesh_shape, shape_args, shapes_fn,
-                          local_op)
+                          local_op, entry.local_ok if entry is not None else None)
         if ok and op in _EXACT_VIEWS and _any_shard(in_specs[0]):
             ok = _view_regions_match(in_specs[0], out_specs[0], mesh_shape)
         considered.append((cost, (ins, outs), ok))  # formatted only when explain() shows it
@@ -562,7 +562,8 @@ def planner_accepts(op, meta_args, meta_kwargs, in_specs, out_specs) -> bool:
     shapes_fn = entry.meta if entry is not None else None
     local_op = functools.partial(entry.local, op) if entry is not None and entry.local is not None else op
     mesh_shape = in_specs[0].mesh_shape
-    ok = _check_local(op, meta_args, meta_kwargs, in_specs, out_specs, mesh_shape, shape_args, shapes_fn, local_op)
+    ok = _check_local(op, meta_args, meta_kwargs, in_specs, out_specs, mesh_shape, shape_args, shapes_fn, local_op,
+                      entry.local_ok if entry is not None else None)
     if ok and op in _EXACT_VIEWS and _any_shard(in_specs[0]):
         ok = _view_regions_match(in_specs[0], out_specs[0], mesh_shape)
     return ok
@@ -659,12 +660,13 @@ def _verify_meta(op, meta_args, meta_kwargs, in_shapes, dtypes, overrides, got, 
 
 
 def _check_local(op, meta_args, meta_kwargs, in_specs, out_specs, mesh_shape, shape_args, shapes_fn=None,
-                 local_op=None) -> bool:
+                 local_op=None, local_ok=None) -> bool:
     """Does the op, run on every distinct combination of local shapes, give the claimed shapes?
 
     Where some rank's local input has zero elements, the op that runs on the shards (``local_op``)
     must also accept those shapes in a real run (:func:`_runs_on_empty`): a local op that raises
     on one rank only would leave the other ranks waiting in (or mismatching) the next collective.
+    ``local_ok``: the rule's condition on a rank's local shapes (``register_rule(local_ok=...)``).
     """
     if not config.check_plans:
         return True
@@ -681,6 +683,7 @@ def _check_local(op, meta_args, meta_kwargs, in_specs, out_specs, mesh_shape, sh
             "inputs static (torch._dynamo.mark_static); a recompilation (e.g. a second model of the same "
             "class) otherwise turns the changed sizes dynamic.")
     seen = set()
+    seen_call: list = []  # the global OpCall local_ok reads, built once
     dtypes = [s.dtype for s in in_specs]
     for coord in itertools.product(*(range(n) for n in mesh_shape)):
         in_local = tuple(local_shape(s.shape, mesh_shape, s.placements, coord) for s in in_specs)
@@ -692,6 +695,13 @@ def _check_local(op, meta_args, meta_kwargs, in_specs, out_specs, mesh_shape, sh
         if key in seen:
             continue
         seen.add(key)
+        if local_ok is not None:
+            if not seen_call:
+                seen_call.append(OpCall(op=op, args=tuple(_to_meta_info(a, in_specs) for a in meta_args),
+                                        kwargs={k: _to_meta_info(v, in_specs) for k, v in meta_kwargs.items()},
+                                        tensors=tuple(sp.tensor_meta for sp in in_specs)))
+            if not local_ok(seen_call[0], in_local):
+                return False
         overrides = tuple((idx, out_local[k]) for idx, k in sorted(shape_args.items()) if idx < len(meta_args))
         try:
             lout = [None if o is None else o.shape

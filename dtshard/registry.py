@@ -152,6 +152,9 @@ class RuleEntry:
     #: float, bool, complex), never their values, so the dispatcher keys its plan cache on the
     #: types (see :func:`register_rule`)
     scalar_values: bool = True
+    #: ``local_ok(call, local_shapes) -> bool``: a condition on one rank's local input shapes that
+    #: the op's meta kernel cannot see (see :func:`register_rule`)
+    local_ok: Callable | None = None
 
 
 _entries: dict[torch._ops.OpOverload, RuleEntry] = {}
@@ -211,7 +214,7 @@ def _where(fn: Callable) -> str:
 
 
 def _register(ops, fn, kind, shape_args=None, local=None, meta=None, keeps_strided=False, keeps_layout_data=False,
-              scalar_values=True, before_rule=False) -> None:
+              scalar_values=True, before_rule=False, local_ok=None) -> None:
     if isinstance(ops, torch._ops.OpOverload):
         ops = [ops]
     for op in ops:
@@ -228,7 +231,7 @@ def _register(ops, fn, kind, shape_args=None, local=None, meta=None, keeps_strid
                 f"Edit that one, or use dtshard.registry.override() in tests."
             )
         table[op] = RuleEntry(op, fn, kind, dict(shape_args or {}), _where(fn), local, meta, keeps_strided,
-                                 keeps_layout_data, scalar_values)
+                                 keeps_layout_data, scalar_values, local_ok)
     _changed()
 
 
@@ -239,6 +242,7 @@ def register_rule(
     local: Callable | None = None,
     meta: Callable | None = None,
     scalar_values: bool = True,
+    local_ok: Callable | None = None,
 ) -> Callable[[RuleFn], RuleFn]:
     """Decorator: register ``fn(call: OpCall) -> [(output_placements, input_placements), ...]``
     as the single-mesh-dim sharding rule of one op overload (or a list of them).
@@ -257,11 +261,19 @@ def register_rule(
     optimizer or a scheduler changes every step, Adam's bias corrections) share one cached plan
     instead of planning again.  The default keys every argument by value: a rule that reads a
     number (``masked_fill``'s fill value decides which Partial it keeps) must keep it.
+    ``local_ok(call, local_shapes) -> bool``: optional, for a strategy whose validity depends on
+    how the mesh cuts the inputs in a way the meta kernel cannot see (the kernel accepts the local
+    shapes but would compute something else from them).  ``call`` is the global call the rule
+    saw, ``local_shapes`` one rank's shape of each of ``call.tensors``; the planner's local-shape
+    check asks it for every distinct local shape of a choice and rejects the choice where it says
+    False (on every rank alike: it sees only metadata).  Grouped-query attention with sharded
+    heads is the example (``rules/attention.py``): each rank's query heads must be exactly the
+    groups of its own key/value heads, which holds on some mesh sizes and not others.
     Registering a second rule for the same op raises: use :func:`override` to swap one in tests.
     """
 
     def deco(fn: RuleFn) -> RuleFn:
-        _register(ops, fn, "rule", shape_args, local, meta, scalar_values=scalar_values)
+        _register(ops, fn, "rule", shape_args, local, meta, scalar_values=scalar_values, local_ok=local_ok)
         return fn
 
     return deco

@@ -11,12 +11,16 @@ already have rules.)  Shapes: q ``(B, H, L, E)``, k ``(B, Hkv, S, E)``, v ``(B, 
 Strategies on one mesh dim:
 
 - a leading dim (batch, heads) sharded in q, k, v, out and logsumexp alike (the mask follows through
-  broadcasting).  Heads only when q and k/v have the SAME number of heads: with grouped-query
-  attention (``enable_gqa``, fewer k/v heads) a head chunk of q maps onto a chunk of k/v only when
-  the chunk sizes line up, which depends on the mesh size (a rule cannot see it) and which the
-  local-shape check cannot see either (the kernel accepts any head counts), so GQA keeps heads
-  whole and shards the batch (repeat k/v to the query heads first, as Llama code does, to shard
-  heads);
+  broadcasting).  With grouped-query attention (fewer k/v heads, ``Hq = g * Hkv``; query head
+  ``h`` reads k/v head ``h // g``) the heads shard too, where each rank's query heads are exactly
+  the ``g``-groups of its own k/v heads: ``Hq_local == g * Hkv_local`` on every rank (``Hkv``
+  divisible by the mesh dim's size, or chunks that happen to line up).  Whether they do depends on
+  the mesh size, which a rule does not see, and the kernel would accept the misaligned shapes (3
+  query heads over 1 k/v head computes, wrongly), so the rule's ``local_ok``
+  (:func:`_heads_line_up`) checks every rank's local head counts in the planner's local-shape
+  check; where they do not line up the planner takes another strategy (the batch, or the heads
+  gathered).  Tensor-parallel Llama attention (q, k, v projections column-sharded) thus runs
+  without communication;
 - query rows sharded (``L``, dim -2) with k and v replicated: each rank attends its own queries to
   every key.  Only without ``is_causal`` (the kernel aligns the causal mask to the LOCAL rows); a
   mask then shards its ``L`` dim alongside.  The backward gives grad_q sharded and grad_k/grad_v
@@ -66,11 +70,31 @@ def _mask_placement(mask, q, k, p):
 
 
 def _leading_dims(q, k, v) -> list[int]:
-    """Dims shardable alike in q, k, v: the leading ones where all three agree in size."""
-    return [d for d in range(q.ndim - 2) if q.shape[d] == k.shape[d] == v.shape[d]]
+    """Dims shardable alike in q, k, v: the leading ones where all three agree in size, and the
+    heads (dim -3) of grouped-query attention, whose k/v heads divide q's (the planner then checks
+    that they line up on each rank: :func:`_heads_line_up`)."""
+    heads = q.ndim - 3
+    return [d for d in range(q.ndim - 2) if k.shape[d] == v.shape[d] and (
+        q.shape[d] == k.shape[d] or (d == heads and k.shape[d] > 0 and q.shape[d] % k.shape[d] == 0))]
 
 
-@register_rule(_FWD, local=lambda op, *a, **kw: _sdpa_forward_local(op, *a, **kw))
+def _gqa_lines_up(q, k, q_local, k_local) -> bool:
+    """Grouped-query attention with sharded heads computes the right thing on a rank only where
+    its query heads are the ``g``-groups of its own k/v heads (``g = Hq / Hkv``): the local head
+    counts are ``g`` to 1.  Without GQA (equal head counts) any layout lines up."""
+    h = q.ndim - 3
+    if h < 0 or q.shape[h] == k.shape[h]:
+        return True
+    return q_local[h] == (q.shape[h] // k.shape[h]) * k_local[h]
+
+
+def _heads_line_up(call: OpCall, local_shapes) -> bool:
+    """``local_ok`` of the CPU kernels (forward: q, k, v first; backward: grad_out, q, k, v)."""
+    iq = 1 if call.op == _BWD else 0
+    return _gqa_lines_up(call.tensors[iq], call.tensors[iq + 1], local_shapes[iq], local_shapes[iq + 1])
+
+
+@register_rule(_FWD, local=lambda op, *a, **kw: _sdpa_forward_local(op, *a, **kw), local_ok=_heads_line_up)
 def sdpa_flash_cpu_rule(call: OpCall):
     q, k, v = call.tensors[:3]
     mask = call.tensors[3] if len(call.tensors) > 3 else None
@@ -89,7 +113,7 @@ def sdpa_flash_cpu_rule(call: OpCall):
     return strategies
 
 
-@register_rule(_BWD, local=lambda op, *a, **kw: _sdpa_backward_local(op, *a, **kw))
+@register_rule(_BWD, local=lambda op, *a, **kw: _sdpa_backward_local(op, *a, **kw), local_ok=_heads_line_up)
 def sdpa_flash_cpu_backward_rule(call: OpCall):
     # tensors: grad_out, q, k, v, out, logsumexp, [attn_mask]
     g, q, k, v, out, lse = call.tensors[:6]
@@ -189,9 +213,16 @@ def _cuda_local(op, *args, **kwargs):
     return tuple(out)
 
 
-@register_rule(list(CUDA_FWD + CUDA_BWD), local=_cuda_local)
+def _cuda_heads_line_up(call: OpCall, local_shapes) -> bool:
+    """``local_ok`` of the CUDA kernels: q and k found by their roles."""
+    roles = _roles(call)
+    iq, ik = roles.index("q"), roles.index("k")
+    return _gqa_lines_up(call.tensors[iq], call.tensors[ik], local_shapes[iq], local_shapes[ik])
+
+
+@register_rule(list(CUDA_FWD + CUDA_BWD), local=_cuda_local, local_ok=_cuda_heads_line_up)
 def fused_cuda_rule(call: OpCall):
-    """Leading dims (batch; heads without grouped-query attention) sharded alike, query rows
+    """Leading dims (batch; heads, grouped-query heads where they line up) sharded alike, query rows
     sharded against whole keys (not causal), and, in backward, a Partial grad_out: the strategies
     of the CPU kernel's rule, for the CUDA kernels' schemas (see the module docstring)."""
     roles = _roles(call)

@@ -256,6 +256,48 @@ def test_sdpa_with_heads_sharded_needs_no_communication():
         assert o == g == "(Shard(dim=1),)" and n == 0
 
 
+def _sdpa_gqa_heads(world, cases):
+    """Grouped-query attention with q, k, v sharded on the heads: where every rank's query heads
+    are the groups of its own k/v heads the op runs with no communication and keeps the heads
+    sharded; where they do not line up (the kernel would accept the local shapes and compute the
+    wrong groups), the planner must take another plan. Values and gradients against one process."""
+    m = mesh((world,))
+    out = []
+    for hq, hkv in cases:
+        g = torch.Generator().manual_seed(hq * 10 + hkv)
+        q = torch.randn(2, hq, 5, 8, generator=g, dtype=torch.float64)
+        k, v = (torch.randn(2, hkv, 5, 8, generator=g, dtype=torch.float64) for _ in range(2))
+        go = torch.randn(2, hq, 5, 8, generator=g, dtype=torch.float64)
+        plain = [t.clone().requires_grad_() for t in (q, k, v)]
+        F.scaled_dot_product_attention(*plain, is_causal=True, enable_gqa=True).backward(go)
+        dq, dk, dv = (dtshard.distribute_tensor(t, m, [Shard(1)]).requires_grad_() for t in (q, k, v))
+        with CommCounter() as comm:
+            o = F.scaled_dot_product_attention(dq, dk, dv, is_causal=True, enable_gqa=True)
+        dgo = dtshard.distribute_tensor(go, m, o.placements, src_data_rank=None)
+        with CommCounter() as comm_bwd:
+            o.backward(dgo)
+        torch.testing.assert_close(o.full_tensor(), F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                                   enable_gqa=True))
+        for d, p in zip((dq, dk, dv), plain):
+            torch.testing.assert_close(d.grad.full_tensor(), p.grad)
+        out.append((hq, hkv, str(o.placements), comm.count() + comm_bwd.count()))
+    return out
+
+
+def test_gqa_attention_keeps_heads_sharded_where_they_line_up():
+    # 2 ranks: 4 over 2 heads line up (2 query heads on each k/v head); 12 over 3 do not (query
+    # heads 6 + 6, k/v heads 2 + 1: rank 0's 6 query heads would be read as 3 groups of 2)
+    for rank_out in run_distributed(_sdpa_gqa_heads, 2, 2, [(4, 2), (12, 3)]):
+        (_, _, aligned, n_aligned), (_, _, misaligned, n_misaligned) = rank_out
+        assert aligned == "(Shard(dim=1),)" and n_aligned == 0, rank_out
+        assert n_misaligned > 0, rank_out
+    # 4 ranks: 8 over 4 line up; 4 over 2 do not (k/v heads 1, 1, 0, 0)
+    for rank_out in run_distributed(_sdpa_gqa_heads, 4, 4, [(8, 4), (4, 2)]):
+        (_, _, aligned, n_aligned), (_, _, _, n_misaligned) = rank_out
+        assert aligned == "(Shard(dim=1),)" and n_aligned == 0, rank_out
+        assert n_misaligned > 0, rank_out
+
+
 def _sdpa_backward_partial_grad(world):
     """The backward is linear in grad_out: a Partial grad_out gives Partial gradients."""
     m = mesh((world,))
