@@ -271,6 +271,11 @@ class DTensor(torch.Tensor):
             return _drop_extra(self).__coerce_same_metadata_as_tangent__(flatten_spec, expected_type)
         if spec.placements == self._spec.placements and spec.extra == self._spec.extra:
             return self
+        if spec.mesh is not self._spec.mesh and mesh_identity(spec.mesh) != mesh_identity(self._spec.mesh):
+            # a gradient computed on the activations' larger mesh for an output on a sub-mesh (a
+            # tensor-parallel parameter that FSDP gathered inside the compiled region)
+            return _onto_sub_mesh(self, spec.mesh, "the gradient of a compiled region's output") \
+                .__coerce_same_metadata_as_tangent__(flatten_spec, expected_type)
         return self.redistribute(self._spec.mesh, spec.placements)
 
     def __coerce_tangent_metadata__(self):

@@ -50,3 +50,33 @@ def _compiled_transitions():
 def test_flattened_group_steps_compile_fullgraph():
     for rank, problems in enumerate(run_distributed(_compiled_transitions, 4)):
         assert not problems, f"rank {rank}:\n" + "\n".join(problems)
+
+
+def _sub_mesh_output_gradient():
+    """A compiled region returns a DTensor on a sub-mesh (a tensor-parallel weight on ``tp``, as
+    FSDP's gathered parameters are when its hooks compile as a graph of their own); eager code
+    uses it with activations on the whole ``(dp, tp)`` mesh (``implicit_replication()``), so its
+    gradient arrives on the larger mesh, a Partial over ``dp``. The compiled backward was traced
+    for the sub-mesh layout: the gradient's ``dp`` terms are summed and it continues on ``tp``.
+    Values and the weight's gradient against one process."""
+    torch._dynamo.reset()
+    mesh = dtshard.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    g = torch.Generator().manual_seed(3)
+    W, X = torch.randn(6, 5, generator=g, dtype=torch.float64), torch.randn(4, 5, generator=g, dtype=torch.float64)
+    w = dtshard.distribute_tensor(W, mesh["tp"], [Shard(0)]).requires_grad_()
+    x = dtshard.distribute_tensor(X, mesh, [Shard(0), Replicate()])
+    scaled = torch.compile(lambda t: t * 3, backend="aot_eager", fullgraph=True)(w)
+    with dtshard.experimental.implicit_replication():
+        loss = (torch.tanh(x @ scaled.t()) ** 2).sum()
+    loss.backward()
+    w_ref = W.clone().requires_grad_()
+    (torch.tanh(X @ (w_ref * 3).t()) ** 2).sum().backward()
+    return (float((loss.full_tensor() - (torch.tanh(X @ (W * 3).t()) ** 2).sum()).abs()),
+            str(w.grad.placements), tuple(w.grad.device_mesh.shape),
+            float((w.grad.full_tensor() - w_ref.grad).abs().max()))
+
+
+def test_compiled_sub_mesh_output_takes_a_gradient_from_the_larger_mesh():
+    for rank, (loss_err, placements, mesh_shape, grad_err) in enumerate(run_distributed(_sub_mesh_output_gradient, 4)):
+        assert loss_err < 1e-12 and grad_err < 1e-12, (rank, loss_err, grad_err)
+        assert placements == "(Shard(dim=0),)" and mesh_shape == (2,), (rank, placements, mesh_shape)
