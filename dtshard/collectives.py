@@ -44,6 +44,7 @@ __all__ = [
 ]
 
 _fc = torch.ops._c10d_functional
+
 # Partial reduce op -> the ProcessGroup's ReduceOp for the eager path ("avg" goes through the
 # functional collectives, which average; "product" is PRODUCT: gloo and NCCL reduce with it)
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
@@ -217,6 +218,20 @@ def waited(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
     return t.trigger_wait() if isinstance(t, AsyncCollectiveTensor) else t
+
+
+def consumed(out: torch.Tensor, *results: torch.Tensor) -> torch.Tensor:
+    """``out``, made to depend on collective ``results`` that this rank does not read (an
+    exchange in which it receives nothing).  Eagerly ``out`` itself.  While tracing, a result no
+    output depends on is left out of this rank's graph by AOTAutograd's partitioner (it keeps
+    only what the outputs need) while the ranks that read it keep it: the ranks would then wait in
+    different collectives.  The dependency is an empty slice of each result, summed (zero) and
+    added."""
+    if type(out) is torch.Tensor and not torch.compiler.is_compiling() and _current_mode() is None:
+        return out
+    for r in results:
+        out = out + r.reshape(-1)[:0].sum().to(out.dtype)
+    return out
 
 
 def _notify(kind: str, mesh_dim, nbytes: int, group_size: int, recv: int | None = None) -> None:

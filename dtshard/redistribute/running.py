@@ -239,7 +239,7 @@ def _exchange(x: torch.Tensor, spec: DTensorSpec, step: GroupStep, coord) -> tor
         for t in ts:
             region(out, t.dst_slices).copy_(recv[off:off + t.numel].view([n for _, n in t.dst_slices]))
             off += t.numel
-    return out
+    return out if off else C.consumed(out, recv)  # receiving nothing, this rank still takes part
 
 
 def _reduce_exchange(x: torch.Tensor, spec: DTensorSpec, step: GroupStep, coord) -> torch.Tensor:
@@ -277,6 +277,8 @@ def _reduce_exchange(x: torch.Tensor, spec: DTensorSpec, step: GroupStep, coord)
             for t in ts:
                 region(slot, t.dst_slices).copy_(recv[off:off + t.numel].view([n for _, n in t.dst_slices]))
                 off += t.numel
+        if not off:  # receiving nothing, this rank still takes part (see C.consumed)
+            terms = C.consumed(terms, recv)
     out = reduce_terms(terms, "sum")
     n_avg = math.prod(spec.mesh_shape[i] for i in red if step.src[i].reduce_op == "avg")
     if n_avg > 1:

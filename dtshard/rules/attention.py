@@ -53,6 +53,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor.placement_types import Partial, Shard
 
+from dtshard import collectives as C
 from dtshard.registry import OpCall, op_facts, register_rule
 from dtshard.rules._common import LINEAR_REDUCE_OPS, R, follow_output
 from dtshard.spec import TensorMeta
@@ -140,15 +141,17 @@ def _sdpa_forward_local(op, q, k, v, *args, **kwargs):
     if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
         out_shape = tuple(q.shape[:-1]) + (v.shape[-1],)
         # no query rows: nothing to compute; no keys: the kernel's convention is not defined here,
-        # but rules never shard the key length, so k/v are only empty together with q's batch/heads
-        return q.new_zeros(out_shape), q.new_zeros(tuple(q.shape[:-1]), dtype=torch.float32
-                                                   if q.dtype in (torch.float16, torch.bfloat16) else q.dtype)
+        # but rules never shard the key length, so k/v are only empty together with q's batch/heads.
+        # The zeros depend on k and v (C.consumed): while tracing, what brought them stays in the graph
+        return C.consumed(q.new_zeros(out_shape), k, v), q.new_zeros(
+            tuple(q.shape[:-1]), dtype=torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype)
     return op(q, k, v, *args, **kwargs)
 
 
 def _sdpa_backward_local(op, g, q, k, v, out, lse, *args, **kwargs):
     if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        return C.consumed(torch.zeros_like(q), g, out, lse), C.consumed(torch.zeros_like(k), k), \
+            C.consumed(torch.zeros_like(v), v)
     return op(g, q, k, v, out, lse, *args, **kwargs)
 
 
@@ -196,8 +199,9 @@ def _cuda_local(op, *args, **kwargs):
         metas = op(*[a.to("meta") if isinstance(a, torch.Tensor) else a for a in args],
                    **{n: a.to("meta") if isinstance(a, torch.Tensor) else a for n, a in kwargs.items()})
         dev = tensors[0].device
-        return tuple(torch.zeros(m.shape, dtype=m.dtype, device=dev) if isinstance(m, torch.Tensor) else m
-                     for m in metas)
+        zeros = [torch.zeros(m.shape, dtype=m.dtype, device=dev) if isinstance(m, torch.Tensor) else m for m in metas]
+        zeros[0] = C.consumed(zeros[0], *tensors)  # while tracing, what brought the inputs stays in the graph
+        return tuple(zeros)
     out = op(*args, **kwargs)
     rng = _RNG_OUTPUTS.get(op)
     if rng is None:
