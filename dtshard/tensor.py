@@ -265,6 +265,15 @@ class DTensor(torch.Tensor):
         # AOTAutograd traced the backward for a tangent with ``flatten_spec`` (our spec); the
         # gradient that arrives at run time may have other placements (e.g. Partial): move it.
         if expected_type is not None and expected_type is not DTensor:
+            if expected_type is torch.Tensor:
+                raise RuntimeError(
+                    f"dtshard: a compiled region returned a plain tensor that later code used with DTensors (implicit "
+                    f"replication), so its gradient arrived as a DTensor ({placements_str(self._spec.placements)} on mesh "
+                    f"{tuple(self._spec.mesh.shape)} {self._spec.mesh.mesh_dim_names}, global shape {tuple(self.shape)}); "
+                    "the compiled backward was traced for a plain gradient and cannot take it. Seen with FSDP on DTensor "
+                    "activations, where the parameter gather compiles as a graph of its own: compile the whole model "
+                    "with torch._dynamo.config.wrap_top_frame = True (FSDP's hooks then join the model's graph), or "
+                    "run FSDP eagerly; elsewhere, use the tensor inside the compiled region or make it a DTensor there.")
             return None
         spec = flatten_spec
         if self._spec.extra is not None and spec.extra is None:

@@ -32,6 +32,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from dtshard import _trace
 from dtshard import collectives as C
+from dtshard.hooks import in_graph
 from dtshard.spec import DTensorSpec, chunk_range, contiguous_strides, mesh_identity
 from dtshard.tensor import DTensor
 
@@ -485,10 +486,18 @@ class ParamGroup:
         # split (not one slice per parameter): its backward is ONE concatenation into the
         # reduce_scatter input, where slices would each scatter into a zero (W, S) buffer
         blocks = gathered.split([info.padded for info in self.infos], dim=1)
+        # a plain parameter used with DTensor activations gets a DTensor gradient (of one global
+        # loss): _global_loss_param turns it into this rank's term, rescaled against _ScaleGrad
+        divide = float(self.gradient_divide_factor or self.dp_size)
+        rescale = divide / float(self.gradient_divide_factor or 1)
         outs = []
         for info, block in zip(self.infos, blocks):
             c = info.padded // info.row_numel if info.row_numel else 0
-            outs.append(block.reshape((self.W * c,) + info.shape[1:])[:info.shape[0]])
+            full = block.reshape((self.W * c,) + info.shape[1:])[:info.shape[0]]
+            if info.tp is None and torch.is_grad_enabled():
+                full = _global_loss_param(full, self.mesh, rescale, type(self.module).__name__,
+                                          self.has_tp and self.gradient_divide_factor is not None)
+            outs.append(full)
         return tuple(outs)
 
     def _divide_plan(self) -> tuple:
@@ -588,36 +597,13 @@ class ParamGroup:
                 "(computed with DTensor activations) and others plain ones; FSDP cannot tell whether to average "
                 "the plain ones over the data-parallel ranks. Feed the module DTensor inputs throughout (e.g. "
                 "distribute_tensor(input_ids, mesh, [Shard(0), Shard(1)])), or plain tensors throughout.")
-        fsdp_ranks = self._fsdp_ranks()
         out = []
         for g in grads:
             if g is None or type(g) is not DTensor:
                 out.append(g)
                 continue
-            mesh = g._spec.mesh
-            coord = list(C.mesh_coordinate(mesh))
-            ranks = mesh.mesh
-            target, span = [], {tuple(coord)}
-            for d in range(mesh.ndim):
-                idx = [slice(None) if k == d else c for k, c in enumerate(coord)]
-                along = set(ranks[tuple(idx)].flatten().tolist())
-                if along <= fsdp_ranks:
-                    target.append(Partial("sum"))
-                    span = {tuple(c[:d]) + (r,) + tuple(c[d + 1:]) for c in span for r in range(mesh.size(d))}
-                elif len(along & fsdp_ranks) == 1:
-                    target.append(Replicate())
-                else:
-                    span = None
-                    break
-            if span is None or {ranks[c].item() for c in span} != fsdp_ranks:
-                raise RuntimeError(
-                    f"fully_shard({type(self.module).__name__}): a parameter's gradient is a DTensor on mesh "
-                    f"{tuple(mesh.shape)} {mesh.mesh_dim_names} with placements {g._spec.placements}, whose ranks do not "
-                    f"line up with FSDP's mesh {tuple(self.mesh.shape)} {self.mesh.mesh_dim_names}: FSDP must reduce over "
-                    "whole mesh dims of the activations' mesh (e.g. fully_shard(mesh=mesh['dp', 'cp']._flatten()) "
-                    "for activations on mesh['dp', 'cp']).")
             with torch.no_grad():
-                out.append(g.redistribute(mesh, target)._local_tensor)
+                out.append(global_loss_term(g, self.mesh, type(self.module).__name__))
         self.global_loss = True
         return out
 
@@ -713,6 +699,86 @@ class ParamGroup:
                         # was used outside the module's forward, e.g. in a regularizer)
                         p.grad = p.grad.redistribute(p._spec.mesh, p._spec.placements)
                     p.grad._local_tensor.add_(local)
+
+
+def _term_placements(mesh, fsdp_mesh, module_name: str, placements) -> tuple:
+    """The placements that make a gradient on ``mesh`` (the activations' mesh) this rank's
+    additive term of its sum over FSDP's ranks: ``Partial`` on the mesh dims whose ranks are
+    FSDP's, ``Replicate`` on the others (FSDP does not reduce over them).  From the rank tables
+    (read outside any tracing mode: the same answer on every rank, also while compiling)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        fsdp_ranks = set(fsdp_mesh.mesh.flatten().tolist())
+        coord = list(C.mesh_coordinate(mesh))
+        ranks = mesh.mesh
+        target, span = [], {tuple(coord)}
+        for d in range(mesh.ndim):
+            idx = [slice(None) if k == d else c for k, c in enumerate(coord)]
+            along = set(ranks[tuple(idx)].flatten().tolist())
+            if along <= fsdp_ranks:
+                target.append(Partial("sum"))
+                span = {tuple(c[:d]) + (r,) + tuple(c[d + 1:]) for c in span for r in range(mesh.size(d))}
+            elif len(along & fsdp_ranks) == 1:
+                target.append(Replicate())
+            else:
+                span = None
+                break
+        lined_up = span is not None and {ranks[c].item() for c in span} == fsdp_ranks
+    if not lined_up:
+        raise RuntimeError(
+            f"fully_shard({module_name}): a parameter's gradient is a DTensor on mesh "
+            f"{tuple(mesh.shape)} {mesh.mesh_dim_names} with placements {placements}, whose ranks do not "
+            f"line up with FSDP's mesh {tuple(fsdp_mesh.shape)} {fsdp_mesh.mesh_dim_names}: FSDP must reduce over "
+            "whole mesh dims of the activations' mesh (e.g. fully_shard(mesh=mesh['dp', 'cp']._flatten()) "
+            "for activations on mesh['dp', 'cp']).")
+    return tuple(target)
+
+
+def global_loss_term(g: DTensor, fsdp_mesh, module_name: str) -> torch.Tensor:
+    """A parameter gradient that arrived as a DTensor (the module ran on DTensor activations: the
+    gradient of ONE global loss, already summed over the batch) as this rank's additive term of
+    its sum over FSDP's ranks (a plain tensor, the parameter's full shape)."""
+    mesh = g._spec.mesh
+    target = _term_placements(mesh, fsdp_mesh, module_name, g._spec.placements)
+    return g.redistribute(mesh, target)._local_tensor
+
+
+class _GlobalLossGrad(torch.autograd.Function):
+    """The compiled path's counterpart of :meth:`ParamGroup._global_loss_grads`, on one full
+    parameter: identity in forward; in backward a DTensor gradient (DTensor activations) becomes
+    this rank's term (:func:`global_loss_term`) times ``rescale``, which undoes the average the
+    traced gather's :class:`_ScaleGrad` applies to per-rank gradients (global-loss gradients are
+    summed over FSDP's ranks, divided only by ``set_gradient_divide_factor``'s factor).  A plain
+    gradient passes unchanged."""
+
+    @staticmethod
+    def forward(ctx, x, fsdp_mesh, rescale: float, module_name: str, tp_divided: bool):
+        ctx.fsdp_mesh, ctx.rescale, ctx.module_name, ctx.tp_divided = fsdp_mesh, rescale, module_name, tp_divided
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if type(g) is DTensor:
+            if ctx.tp_divided:
+                # the group's tensor-parallel parameters reach the gather as full copies on every
+                # FSDP rank (from_local's backward reduced them), which the average turns into
+                # the sum only when the divisor is FSDP's size
+                raise NotImplementedError(
+                    f"fully_shard({ctx.module_name}) compiled on DTensor activations with tensor-parallel "
+                    "parameters and set_gradient_divide_factor(): not supported (the factor would scale those "
+                    "gradients by the data-parallel size); run this group eagerly or keep the default factor.")
+            g = global_loss_term(g, ctx.fsdp_mesh, ctx.module_name)
+            if ctx.rescale != 1.0:
+                g = g * ctx.rescale
+        return g, None, None, None, None
+
+
+@in_graph
+def _global_loss_param(x: torch.Tensor, fsdp_mesh, rescale: float, module_name: str, tp_divided: bool) -> torch.Tensor:
+    """:class:`_GlobalLossGrad` as ONE node of a compiled graph (its backward reads the
+    gradient's type, which Dynamo's own trace of the backward would fix to a plain tensor)."""
+    return _GlobalLossGrad.apply(x, fsdp_mesh, rescale, module_name, tp_divided)
 
 
 class _ScaleGrad(torch.autograd.Function):
