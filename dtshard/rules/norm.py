@@ -522,7 +522,8 @@ def _bn_channels(op, x, acts, rest, buffers=(), stats_per_channel=True):
                 rl[k] = rl[k].clone()
         if xl[0].numel() == 0:  # no channel on this rank: the kernel refuses an empty input
             mask = rest[-1] if len(acts) == 2 else [True] * 3
-            outs = [torch.zeros_like(xl[-1])] + [xl[-1].new_empty(0) for _ in range(len(op._schema.returns) - 1)]
+            outs = [C.consumed(torch.zeros_like(xl[-1]), *xl)] + [
+                xl[-1].new_empty(0) for _ in range(len(op._schema.returns) - 1)]
             outs = [o if keep else None for o, keep in zip(outs, mask)]
         else:
             outs = op(*xl, *rl)

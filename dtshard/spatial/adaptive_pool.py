@@ -164,7 +164,7 @@ def adaptive_avg_pool_handler(op, args, kwargs):
     with op_context(op):
         xl = to_local(x, targets)
         if xl.numel() == 0 or _numel(out_shape) == 0:  # an empty shard: its term is 0
-            out = xl.new_zeros(out_shape, dtype=gout.dtype)
+            out = C.consumed(xl.new_zeros(out_shape, dtype=gout.dtype), xl)
         else:
             try:
                 out = op(xl, list(out_shape[x.dim() - nsp:]))
@@ -209,7 +209,7 @@ def adaptive_avg_pool_backward_handler(op, args, kwargs):
     with op_context(op):
         gl = to_local(g, g_targets)
         if gl.numel() == 0 or _numel(x_local_shape) == 0:
-            gi = gl.new_zeros(x_local_shape)
+            gi = C.consumed(gl.new_zeros(x_local_shape), gl)
         else:
             # the kernel reads only the input's shape: x's own shard when it is in place
             xl = x._local_tensor if x._spec.placements == targets else gl.new_empty(x_local_shape)

@@ -323,7 +323,8 @@ def convolution_handler(op, args, kwargs):
             out = _tconv_forward(op, xl, wl, bl, plan.out_local_shape, plan.plans, plan.w_k, stride,
                                  plan.local_padding, plan.padding, dilation, plan.local_output_padding, groups)
         elif plan.path == "empty":
-            out = xl.new_zeros(plan.out_local_shape)
+            # the zeros depend on the window: while tracing, its exchange stays in the graph
+            out = C.consumed(xl.new_zeros(plan.out_local_shape), xl, wl)
             if bl is not None and _numel(plan.out_local_shape):
                 out += bl.view([1, -1] + [1] * (x.dim() - 2))
         else:
@@ -361,7 +362,7 @@ def _halo_forward(op, x, w, bias, plan, output_padding, groups):
             else:
                 xl = SL.grow_local(xl, spec, hp.grow, coord)
         if _numel(hp.out_local_shape) == 0 or wl.numel() == 0:
-            out = xl.new_zeros(hp.out_local_shape)
+            out = C.consumed(xl.new_zeros(hp.out_local_shape), xl)  # while tracing, the window's exchange stays
             if bl is not None and _numel(hp.out_local_shape):
                 out += bl.view([1, -1] + [1] * (x.dim() - 2))
         else:
@@ -520,7 +521,7 @@ def _tconv_forward(op, xl, wl, bl, out_local_shape, plans, k_sizes, stride, loca
     if _numel(out_local_shape) == 0:
         return xl.new_zeros(out_local_shape)
     if xl.numel() == 0 or wl.numel() == 0:
-        out = xl.new_zeros(out_local_shape)
+        out = C.consumed(xl.new_zeros(out_local_shape), xl)  # while tracing, the window's exchange stays
     else:
         out = op(xl, wl, None, stride, local_padding, dilation, True, local_output_padding, groups)
         out = aten.constant_pad_nd.default(out, _tconv_fit(plans, k_sizes, stride, dilation, padding, xl.dim()))
@@ -633,8 +634,10 @@ def _local_backward(op, gl, xl, wl, plan, transposed, groups, empty: bool):
     if not empty:
         return op(gl, xl, wl, plan.local_bias, plan.stride, plan.local_padding, plan.dilation, transposed,
                   plan.output_padding, groups, mask)
-    gi = xl.new_zeros(xl.shape) if mask[0] else None
-    gw = wl.new_zeros(wl.shape) if mask[1] else None
+    # the zeros depend on the inputs: while tracing, what brought them (halo rows, a
+    # redistributed gradient) stays in this rank's graph (C.consumed)
+    gi = C.consumed(xl.new_zeros(xl.shape), gl, xl) if mask[0] else None
+    gw = C.consumed(wl.new_zeros(wl.shape), gl, xl) if mask[1] else None
     gb = gl.sum([0] + list(range(2, gl.dim()))) if mask[2] and plan.local_bias is not None else None
     return gi, gw, gb
 
@@ -757,8 +760,8 @@ def _tconv_backward(op, gl, xl, wl, local_bias, plans, k_sizes, stride, local_pa
     the sum of this rank's output-gradient chunk (every output position belongs to one rank)."""
     gb = gl.sum([0] + list(range(2, gl.dim()))) if mask[2] and local_bias is not None else None
     if gl.numel() == 0 or xl.numel() == 0 or wl.numel() == 0:
-        gi = xl.new_zeros(xl.shape) if mask[0] else None
-        gw = wl.new_zeros(wl.shape) if mask[1] else None
+        gi = C.consumed(xl.new_zeros(xl.shape), gl, xl) if mask[0] else None
+        gw = C.consumed(wl.new_zeros(wl.shape), gl, xl) if mask[1] else None
         return gi, gw, gb
     pads = _tconv_fit(plans, k_sizes, stride, dilation, padding, xl.dim())
     g_local = aten.constant_pad_nd.default(gl, [-p for p in pads])

@@ -188,7 +188,8 @@ def max_pool_handler(op, args, kwargs):
             local_padding[d - first] = 0
         out_shape = out_spec.local_shape(coord)
         if _numel(out_shape) == 0 or xl.numel() == 0:
-            out, idx = xl.new_zeros(out_shape), torch.zeros(out_shape, dtype=torch.int64, device=xl.device)
+            # (the zeros depend on the window: while tracing, its halo exchange stays in the graph)
+            out, idx = C.consumed(xl.new_zeros(out_shape), xl), torch.zeros(out_shape, dtype=torch.int64, device=xl.device)
         else:
             out, idx = op(xl, kernel, stride, local_padding, dilation, ceil_mode)
             if plans:
@@ -217,7 +218,7 @@ def max_pool_backward_handler(op, args, kwargs):
         local_padding = _local_padding(padding, plans, first)
         win_shape = _window_shape(local_x_shape, plans)
         if gl.numel() == 0 or _numel(win_shape) == 0:
-            gw = gl.new_zeros(win_shape)
+            gw = C.consumed(gl.new_zeros(win_shape), gl)
         else:
             if plans:
                 win, full, origin = _window_geometry(first, nsp, local_x_shape, x.shape, plans)
@@ -280,7 +281,7 @@ def avg_pool_handler(op, args, kwargs):
             xl = halo.exchange(xl, plan, d, mesh, i)
             local_padding[d - first] = 0
         if _numel(out_shape) == 0 or xl.numel() == 0:  # e.g. an empty channel chunk
-            out = xl.new_zeros(out_shape)
+            out = C.consumed(xl.new_zeros(out_shape), xl)
         elif not plans:
             out = op(xl, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override)
         else:
@@ -313,7 +314,7 @@ def avg_pool_backward_handler(op, args, kwargs):
         local_padding = _local_padding(padding, plans, first)
         win_shape = _window_shape(local_x_shape, plans)
         if gl.numel() == 0 or _numel(win_shape) == 0:
-            gw = gl.new_zeros(win_shape)
+            gw = C.consumed(gl.new_zeros(win_shape), gl)
         elif not plans:
             gw = op(gl, gl.new_zeros(local_x_shape), kernel, stride, padding, ceil_mode, count_include_pad,
                     divisor_override)

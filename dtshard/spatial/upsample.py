@@ -447,7 +447,7 @@ def interp_handler(op, args, kwargs):
         for dm in dims:
             xl = halo.exchange(xl, dm.plan, dm.d, mesh, dm.i)
         if _numel(out_shape) == 0 or xl.numel() == 0:
-            out = xl.new_zeros(out_shape)
+            out = C.consumed(xl.new_zeros(out_shape), xl)  # while tracing, the halo exchange stays
         else:
             _, op_out, sc, active = _call_sizes(dims, in_sp, out_sp, scales)
             if active:  # unsharded, aligned and 'full' dims: the op itself
@@ -493,7 +493,7 @@ def interp_backward_handler(op, args, kwargs):
         for dm in dims:
             win_shape[dm.d] = dm.plan.window_length
         if _numel(win_shape) == 0 or gl.numel() == 0:
-            gw = gl.new_zeros(win_shape)
+            gw = C.consumed(gl.new_zeros(win_shape), gl)
         else:
             gw = gl
             for dm in sorted(dims, key=lambda t: t.d):
@@ -563,7 +563,7 @@ def pad_handler(op, args, kwargs):
         for dm in dims:
             xl = halo.exchange(xl, dm.plan, dm.d, mesh, dm.i)
         if _numel(out_shape) == 0 or xl.numel() == 0:
-            out = xl.new_zeros(out_shape)
+            out = C.consumed(xl.new_zeros(out_shape), xl)
         else:
             if any(p for pr in local_pairs for p in pr):
                 xl = op(xl, _pad_list(local_pairs))
@@ -596,7 +596,7 @@ def pad_backward_handler(op, args, kwargs):
         for dm in dims:
             win_shape[dm.d] = dm.plan.window_length
         if _numel(win_shape) == 0 or gl.numel() == 0:
-            gw = gl.new_zeros(win_shape)
+            gw = C.consumed(gl.new_zeros(win_shape), gl)
         else:
             gw = gl
             for dm in dims:

@@ -80,3 +80,43 @@ def test_compiled_sub_mesh_output_takes_a_gradient_from_the_larger_mesh():
     for rank, (loss_err, placements, mesh_shape, grad_err) in enumerate(run_distributed(_sub_mesh_output_gradient, 4)):
         assert loss_err < 1e-12 and grad_err < 1e-12, (rank, loss_err, grad_err)
         assert placements == "(Shard(dim=0),)" and mesh_shape == (2,), (rank, placements, mesh_shape)
+
+
+def _spatial_empty_shards_compiled():
+    """Spatially sharded ops where one rank holds no rows (3 rows over 4 ranks), compiled with a
+    plain AOTAutograd backend, whose default partitioner keeps only what the outputs need: the
+    empty rank skips its kernels, and its zeros must still depend on the halo windows and
+    gradients that collectives brought it (collectives.consumed), or that rank's graph loses
+    those collectives and the ranks deadlock. Values and gradients against eager."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    torch._dynamo.reset()
+    mesh = dtshard.init_device_mesh("cpu", (4,))
+    g = torch.Generator().manual_seed(5)
+    X = torch.randn(1, 2, 3, 6, generator=g, dtype=torch.float64)
+    W1, W2 = (torch.randn(2, 2, 3, 3, generator=g, dtype=torch.float64) for _ in range(2))
+
+    def fn(x, w1, w2):
+        h = torch.nn.functional.conv2d(x, w1, padding=1).relu()
+        h = torch.nn.functional.max_pool2d(h, 3, stride=1, padding=1)
+        h = torch.nn.functional.avg_pool2d(h, 3, stride=1, padding=1)
+        return torch.nn.functional.conv_transpose2d(h, w2, padding=1).square().sum()
+
+    backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward))
+    compiled = torch.compile(fn, backend=backend, fullgraph=True)
+    results = []
+    for f in (compiled, fn):
+        x = dtshard.distribute_tensor(X, mesh, [Shard(2)]).requires_grad_()
+        w1, w2 = (dtshard.distribute_tensor(w, mesh, [Replicate()]).requires_grad_() for w in (W1, W2))
+        loss = f(x, w1, w2)
+        loss.backward()
+        results.append([loss.full_tensor(), x.grad.full_tensor(), w1.grad.full_tensor(), w2.grad.full_tensor()])
+    return [float((a - b).abs().max()) for a, b in zip(*results)], x.to_local().shape[2]
+
+
+def test_compiled_spatial_ops_with_an_empty_shard_keep_their_collectives():
+    out = run_distributed(_spatial_empty_shards_compiled, 4)
+    assert [rows for _, rows in out] == [1, 1, 1, 0], out  # the last rank holds no rows
+    for rank, (errs, _) in enumerate(out):
+        assert max(errs) < 1e-12, (rank, errs)
