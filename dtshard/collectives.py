@@ -225,12 +225,12 @@ def consumed(out: torch.Tensor, *results: torch.Tensor) -> torch.Tensor:
     exchange in which it receives nothing).  Eagerly ``out`` itself.  While tracing, a result no
     output depends on is left out of this rank's graph by AOTAutograd's partitioner (it keeps
     only what the outputs need) while the ranks that read it keep it: the ranks would then wait in
-    different collectives.  The dependency is an empty slice of each result, summed (zero) and
-    added."""
+    different collectives.  The dependency is an empty slice of each result (a view: nothing
+    copied), summed (zero) and added."""
     if type(out) is torch.Tensor and not torch.compiler.is_compiling() and _current_mode() is None:
         return out
     for r in results:
-        out = out + r.reshape(-1)[:0].sum().to(out.dtype)
+        out = out + (r.narrow(0, 0, 0) if r.dim() else r.view(1).narrow(0, 0, 0)).sum().to(out.dtype)
     return out
 
 
