@@ -267,6 +267,7 @@ def _reduce_exchange(x: torch.Tensor, spec: DTensorSpec, step: GroupStep, coord)
     mine = terms[term(coord)]
     for t in ep.keeps:
         region(mine, t.dst_slices).copy_(region(x, t.src_slices))
+    unread = None
     if ep.any_traffic:
         pieces = [region(x, t.src_slices).reshape(-1) for ts in ep.sends for t in ts]
         send = torch.cat(pieces) if pieces else x.new_empty(0)
@@ -277,9 +278,10 @@ def _reduce_exchange(x: torch.Tensor, spec: DTensorSpec, step: GroupStep, coord)
             for t in ts:
                 region(slot, t.dst_slices).copy_(recv[off:off + t.numel].view([n for _, n in t.dst_slices]))
                 off += t.numel
-        if not off:  # receiving nothing, this rank still takes part (see C.consumed)
-            terms = C.consumed(terms, recv)
+        unread = None if off else recv
     out = reduce_terms(terms, "sum")
+    if unread is not None:  # receiving nothing, this rank still takes part (see C.consumed)
+        out = C.consumed(out, unread)
     n_avg = math.prod(spec.mesh_shape[i] for i in red if step.src[i].reduce_op == "avg")
     if n_avg > 1:
         out = out / n_avg if out.is_floating_point() or out.is_complex() else out // n_avg
