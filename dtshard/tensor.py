@@ -271,9 +271,9 @@ class DTensor(torch.Tensor):
                     f"replication), so its gradient arrived as a DTensor ({placements_str(self._spec.placements)} on mesh "
                     f"{tuple(self._spec.mesh.shape)} {self._spec.mesh.mesh_dim_names}, global shape {tuple(self.shape)}); "
                     "the compiled backward was traced for a plain gradient and cannot take it. Seen with FSDP on DTensor "
-                    "activations, where the parameter gather compiles as a graph of its own: compile the whole model "
-                    "with torch._dynamo.config.wrap_top_frame = True (FSDP's hooks then join the model's graph), or "
-                    "run FSDP eagerly; elsewhere, use the tensor inside the compiled region or make it a DTensor there.")
+                    "activations when a module's hooks compile as a frame of their own (the parameter gather): set "
+                    "torch._dynamo.config.wrap_top_frame = True before compiling, so each compiled module's hooks "
+                    "join its graph; elsewhere, use the tensor inside the compiled region or make it a DTensor there.")
             return None
         spec = flatten_spec
         if self._spec.extra is not None and spec.extra is None:

@@ -70,9 +70,10 @@ def _train(kind: str, seq: int, strategy: str = "auto", compiled_layers=False, b
     as torchtitan compiles its blocks, and the model called with ``use_cache=False`` (training: a
     KV cache would be an extra output of each compiled layer that the backward never reaches,
     whose zero gradient AOTAutograd receives as a plain tensor and rejects for a DTensor output).
-    ``compiled_layers="model"``: the whole forward and loss as one graph (aot_eager, fullgraph),
-    FSDP's hooks included, returning the loss alone (the logits, an output the backward never
-    reaches, would meet the same rejection)."""
+    ``compiled_layers="hooks"``: the same with ``torch._dynamo.config.wrap_top_frame = True``, so
+    each layer's FSDP hooks (its parameter gather) trace into the layer's graph: FSDP on DTensor
+    activations needs it (a gather compiled as a frame of its own returns plain parameters whose
+    DTensor gradients its backward cannot take)."""
     from transformers import LlamaForCausalLM
 
     from dtshard.fsdp import fully_shard
@@ -119,13 +120,12 @@ def _train(kind: str, seq: int, strategy: str = "auto", compiled_layers=False, b
             from torch._dynamo.backends.common import aot_autograd
 
             backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward))
-        if compiled_layers == "model":
-            compiled_loss = torch.compile(lambda **kw: model(**kw).loss, backend=backend, fullgraph=True)
-        else:
-            # dp_tp: the first layer holds every exchange of the empty-shard case (measured: it
-            # deadlocks without collectives.consumed as the two layers do), at half the compiles
-            for layer in model.model.layers[:1] if kind == "dp_tp" else model.model.layers:
-                layer.compile(backend=backend, fullgraph=True)
+        wrap_top_frame = torch._dynamo.config.wrap_top_frame
+        torch._dynamo.config.wrap_top_frame = compiled_layers == "hooks"
+        # dp_tp: the first layer holds every exchange of the empty-shard case (measured: it
+        # deadlocks without collectives.consumed as the two layers do), at half the compiles
+        for layer in model.model.layers[:1] if kind == "dp_tp" else model.model.layers:
+            layer.compile(backend=backend, fullgraph=True)
     extra = {"use_cache": False} if compiled_layers else {}
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=LR, foreach=False)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
@@ -143,13 +143,9 @@ def _train(kind: str, seq: int, strategy: str = "auto", compiled_layers=False, b
             opt_ref.zero_grad()
             dids = dtshard.distribute_tensor(ids, mesh, batch_layout)
             with dtshard.experimental.implicit_replication():
-                if compiled_layers == "model":
-                    loss, logits = compiled_loss(input_ids=dids, labels=dids, **extra), None
-                else:
-                    out = model(input_ids=dids, labels=dids, **extra)
-                    loss, logits = out.loss, out.logits
-                    assert isinstance(logits, dtshard.DTensor)
-            assert isinstance(loss, dtshard.DTensor)
+                out = model(input_ids=dids, labels=dids, **extra)
+            loss, logits = out.loss, out.logits
+            assert isinstance(logits, dtshard.DTensor) and isinstance(loss, dtshard.DTensor)
             with dtshard.debug.CommCounter() as comm:
                 loss.backward()
             opt.step()
@@ -159,11 +155,11 @@ def _train(kind: str, seq: int, strategy: str = "auto", compiled_layers=False, b
                 assert isinstance(p, dtshard.DTensor), f"{n} is not a DTensor"
                 want = ref_params[n].detach()
                 dev = max(dev, ((p.full_tensor() - want).abs().max() / want.abs().max()).item())
-            rows.append((loss_ref.item(), loss.full_tensor().item(), dev,
-                         None if logits is None else tuple(logits.placements),
-                         None if logits is None else tuple(logits.shape)))
+            rows.append((loss_ref.item(), loss.full_tensor().item(), dev, tuple(logits.placements), tuple(logits.shape)))
     finally:
         dtshard.config.attention_cp = old
+        if compiled_layers:
+            torch._dynamo.config.wrap_top_frame = wrap_top_frame
     # bytes of the TP projections' TP-local gradients: reduced over dp x cp by an all_reduce they
     # would cost 1.5x this per rank; FSDP's reduce_scatter sums their terms instead
     tp_bytes = sum(p.numel() // 2 * p.element_size() for n, p in model.named_parameters()
@@ -175,10 +171,11 @@ def _train(kind: str, seq: int, strategy: str = "auto", compiled_layers=False, b
     pytest.param("cp", 2, 13, "auto", False, id="cp2-uneven"),
     pytest.param("cp", 2, 12, "ring", False, id="cp2-ring"),
     pytest.param("cp", 4, 12, "auto", False, id="cp4"),
-    # CP x FSDP, the whole model compiled with FSDP's hooks: parameters gathered in the graph,
-    # their gradients those of one global loss (fsdp/_group.py _global_loss_param); the eager
-    # global-loss path runs in cp2xfsdp2xtp2 (the same flattened dp x cp group)
-    pytest.param("cp_fsdp", 4, 12, "auto", "model", id="cp2xfsdp2-compiled-model"),
+    # CP x FSDP, each layer compiled with its FSDP hooks (torchtitan's form): parameters gathered
+    # in the layer's graph, their gradients those of one global loss (fsdp/_group.py
+    # _global_loss_param); the eager global-loss path runs in cp2xfsdp2xtp2 (the same flattened
+    # dp x cp group)
+    pytest.param("cp_fsdp", 4, 12, "auto", "hooks", id="cp2xfsdp2-compiled-layers"),
     pytest.param("cp_tp", 4, 12, "auto", False, id="cp2xtp2"),
     # each decoder layer compiled: the parallel styles' hooks ask about sub-meshes while traced
     pytest.param("cp_tp", 4, 12, "auto", True, id="cp2xtp2-compiled-layers"),
@@ -201,8 +198,6 @@ def test_hf_llama_trains_on_a_sequence_sharded_batch(kind, world, seq, strategy,
     for step, (want, got, dev, placements, shape) in enumerate(rows, 1):
         assert abs(got - want) <= 1e-6 * abs(want), f"step {step}: loss {got} vs one process's {want}"
         assert dev <= 1e-5, f"step {step}: a weight deviates by {dev:.2e} of its scale from one process's"
-        if shape is None:  # the compiled model returns the loss alone
-            continue
         assert shape == (batch, seq, 64)
         if seq % world == 0 and kind != "dp_tp":  # the sequence stays sharded through the model (uneven: the planner may
             # move a flattened (batch, sequence) dim to the batch, which is exact too)
