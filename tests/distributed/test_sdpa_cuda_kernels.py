@@ -163,6 +163,12 @@ def _cases():
     for layout in ("allgather_kv", "ring", "ulysses", "mask_kv"):  # a sliding-window bias
         yield "efficient", layout, False, 64, (4, 4), True, 64
     yield "cudnn", "mask_kv", False, 64, (4, 4), True, 64
+    # grouped-query heads: 8 over 2 line up on 2 ranks (no communication); 12 over 3 do not (6 + 6
+    # query heads over 2 + 1 k/v heads: the rule's local_ok refuses). Flash and cuDNN: PyTorch's
+    # meta kernel of the efficient backward assumes equal head counts (sdpa never sends it GQA)
+    for kernel in ("flash", "cudnn"):
+        yield kernel, "heads", True, 64, (8, 2), False, 64
+        yield kernel, "heads", True, 64, (12, 3), False, 64
 
 
 def _run(world):
@@ -215,6 +221,9 @@ def test_cuda_kernels_on_sharded_dtensors(world):
             assert not plain, (case, "plain tensors among the outputs", plain)
             if kernel == "efficient" and seq % 32 and layout not in ("heads", "batch"):
                 continue  # its padded log-sum-exp does not line up with the rows: the rule's path
+            if layout == "heads" and case[4:6] == (12, 3):  # misaligned heads: another plan, exact
+                assert kinds, (case, "heads kept although they do not line up")
+                continue
             if layout != "rows":
                 assert all(p == placements for p in laid_out), (case, laid_out)
             if layout in ("ring", "ring_4", "batch_x_ring"):  # K and V together, one block a step
