@@ -123,7 +123,7 @@ def flat_group(mesh: DeviceMesh, dims: tuple[int, ...]):
     pg = _flat_groups.get(key)
     if pg is None:
         coord = mesh_coordinate(mesh)
-        table = _rank_table(mesh)  # (the group is created on first use, maybe while torch.compile traces)
+        table = rank_table(mesh)  # (the group is created on first use, maybe while torch.compile traces)
         ranks = []
         for c in group_coords(tuple(mesh.shape), dims, coord):
             r = table
@@ -283,10 +283,10 @@ def sub_mesh_dims(big: DeviceMesh, sub: DeviceMesh) -> tuple[int, ...] | None:
     if coord is None:
         return None
     index = tuple(slice(None) if d in dims else c for d, c in enumerate(coord))
-    return dims if _rank_table(big, index) == _rank_table(sub) else None
+    return dims if rank_table(big, index) == rank_table(sub) else None
 
 
-def _rank_table(mesh: DeviceMesh, index: tuple = ()) -> list:
+def rank_table(mesh: DeviceMesh, index: tuple = ()):
     """``mesh.mesh[index].tolist()``: the ranks of the mesh (or of a slice of it), read outside any
     fake or tracing dispatch mode (the table is a real tensor, and dtshard may ask while
     torch.compile traces)."""

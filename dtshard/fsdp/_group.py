@@ -706,25 +706,26 @@ def _term_placements(mesh, fsdp_mesh, module_name: str, placements) -> tuple:
     additive term of its sum over FSDP's ranks: ``Partial`` on the mesh dims whose ranks are
     FSDP's, ``Replicate`` on the others (FSDP does not reduce over them).  From the rank tables
     (read outside any tracing mode: the same answer on every rank, also while compiling)."""
-    from torch.utils._python_dispatch import _disable_current_modes
+    def flat(t) -> set:  # the ranks in a (nested) table, or one rank
+        return set().union(*(flat(x) for x in t)) if isinstance(t, list) else {t}
 
-    with _disable_current_modes():
-        fsdp_ranks = set(fsdp_mesh.mesh.flatten().tolist())
-        coord = list(C.mesh_coordinate(mesh))
-        ranks = mesh.mesh
-        target, span = [], {tuple(coord)}
-        for d in range(mesh.ndim):
-            idx = [slice(None) if k == d else c for k, c in enumerate(coord)]
-            along = set(ranks[tuple(idx)].flatten().tolist())
-            if along <= fsdp_ranks:
-                target.append(Partial("sum"))
-                span = {tuple(c[:d]) + (r,) + tuple(c[d + 1:]) for c in span for r in range(mesh.size(d))}
-            elif len(along & fsdp_ranks) == 1:
-                target.append(Replicate())
-            else:
-                span = None
-                break
-        lined_up = span is not None and {ranks[c].item() for c in span} == fsdp_ranks
+    def ranks_of(index) -> set:  # the ranks of a slice of the mesh's table
+        return flat(C.rank_table(mesh, tuple(index)))
+
+    fsdp_ranks = flat(C.rank_table(fsdp_mesh))
+    coord = list(C.mesh_coordinate(mesh))
+    target, span = [], {tuple(coord)}
+    for d in range(mesh.ndim):
+        along = ranks_of([slice(None) if k == d else c for k, c in enumerate(coord)])
+        if along <= fsdp_ranks:
+            target.append(Partial("sum"))
+            span = {tuple(c[:d]) + (r,) + tuple(c[d + 1:]) for c in span for r in range(mesh.size(d))}
+        elif len(along & fsdp_ranks) == 1:
+            target.append(Replicate())
+        else:
+            span = None
+            break
+    lined_up = span is not None and set().union(*(ranks_of(c) for c in span)) == fsdp_ranks
     if not lined_up:
         raise RuntimeError(
             f"fully_shard({module_name}): a parameter's gradient is a DTensor on mesh "
