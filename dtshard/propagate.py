@@ -33,8 +33,9 @@ from dtshard import redistribute as R
 from dtshard._config import config  # noqa: F401  (dtshard.config; re-exported here for old imports)
 from dtshard.collectives import mesh_coordinate  # coordinate of this rank (cached)
 from dtshard.registry import OpCall, RuleEntry, get_entry, op_facts
-from dtshard.spec import (DTensorSpec, TensorMeta, contiguous_strides, is_shard, is_strided, local_region,
-                          local_shape, mesh_identity, placement_key, placements_equal, placements_str, split_factor)
+from dtshard.spec import (DTensorSpec, TensorMeta, contiguous_strides, evenly_sharded, is_shard, is_strided,
+                          local_region, local_shape, local_shape_and_offset, mesh_identity, placement_key,
+                          placements_equal, placements_str, split_factor)
 
 __all__ = ["Plan", "propagate", "NoRuleError", "RuleError", "config", "planner_accepts", "strategy_choices",
            "tensor_slot"]
@@ -286,9 +287,12 @@ def _check_strategy(op, strat, n_in, n_out, in_metas, out_metas, source) -> tupl
                 raise RuleError(
                     f"the rule for {op} ({source}) returned {p!r}: only view rules may return strided "
                     "shards (the planner carries other rules' Shard strategies over to strided inputs)")
-        elif t is not Shard and not isinstance(p, (Shard, Replicate, Partial)):
-            raise RuleError(f"the rule for {op} ({source}) returned {p!r}, not a placement")
-        if is_shard(p) and m is not None and not 0 <= p.dim < len(m):
+        elif t is not Shard:
+            if isinstance(p, (Replicate, Partial)):
+                continue
+            if not isinstance(p, Shard):
+                raise RuleError(f"the rule for {op} ({source}) returned {p!r}, not a placement")
+        if m is not None and not 0 <= p.dim < len(m):
             raise RuleError(
                 f"the rule for {op} ({source}) returned Shard({p.dim}) for a {len(m)}-D tensor"
             )
@@ -317,7 +321,7 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
                 stacklevel=4,
             )
     mesh = specs[0].mesh
-    mesh_shape = tuple(mesh.shape)
+    mesh_shape = specs[0].mesh_shape
     for s in specs[1:]:
         if s.mesh is not mesh and mesh_identity(s.mesh) != mesh_identity(mesh):
             raise MeshMismatchError(
@@ -336,8 +340,16 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
             meta_fn = entry.meta
         elif mode == "inplace":
             meta_fn = functools.partial(_inplace_meta, entry.meta, _functional_of(op)[0])
+    call = None  # the rule's OpCall, when the meta function can read the same one
     try:
-        gflat = _out_metas(op, meta_args, meta_kwargs, shapes, dtypes, (), meta_fn, strides=True)
+        metas = None
+        if meta_fn is not None:
+            metas = [s.contiguous_meta for s in specs]
+            if mode == "functional" and all(m is s.tensor_meta for m, s in zip(metas, specs)):
+                # contiguous inputs: the meta function's call is the rule's (which adds the shards)
+                call = _rule_call(op, specs, meta_args, meta_kwargs, range(len(specs)), ())
+        gflat = _out_metas(op, meta_args, meta_kwargs, shapes, dtypes, (), meta_fn, strides=True, metas=metas,
+                           call=call)
     except RuleError:
         raise
     except NotImplementedError as e:
@@ -369,7 +381,8 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
     out_slots = {v.k for name, v in meta_kwargs.items() if name in out_names and isinstance(v, _Slot)}
     in_ids = [k for k in range(len(specs)) if k not in out_slots]
     # 2-3. strategies, expanded over the mesh dims (strided variants included)
-    choices = _expand(op, entry, mode, specs, meta_args, meta_kwargs, gflat, in_ids, out_names, fallback)
+    choices = _expand(op, entry, mode, specs, meta_args, meta_kwargs, gflat, in_ids, out_names, fallback,
+                      call if len(in_ids) == len(specs) else None)
     src_pl = [s.placements for s in specs]
     inplace_view = mode == "inplace" and torch.Tag.inplace_view in op.tags
     # per (input k, its target placements): bytes, and the bound below them; choices share them
@@ -443,9 +456,9 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
     if entry is not None and entry.local is not None:
         local_op = functools.partial(entry.local, op)
     considered = []
-    for cost, _, _, ins, outs in itertools.chain(price(kept), _lazy(lambda: price(moved))):
+    for cost, _, _, ins, outs in itertools.chain(_kept_order(kept), _lazy(lambda: price(moved))):
         out_specs = tuple(
-            None if o is None else DTensorSpec(mesh, outs[k], o.shape, o.stride, o.dtype)
+            None if o is None else specs[0].on_mesh(outs[k], o.shape, o.stride, o.dtype)
             for k, o in enumerate(gflat)
         )
         in_specs = [s.with_placements(t) for s, t in zip(specs, ins)]
@@ -470,21 +483,29 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
     )
 
 
-def _expand(op, entry, mode, specs, meta_args, meta_kwargs, gflat, in_ids, out_names, fallback) -> list:
+def _rule_call(op, specs, meta_args, meta_kwargs, in_ids, out_names) -> OpCall:
+    """What the rule sees (:class:`OpCall`) of ``op`` on inputs with ``specs`` (the ``out=``
+    tensors of an .out overload, ``out_names``, left out)."""
+    dims = [specs[k].sharded_dims for k in in_ids]
+    return OpCall(op=op, args=tuple(_to_meta_info(a, specs) for a in meta_args),
+                  kwargs={k: _to_meta_info(v, specs) for k, v in meta_kwargs.items() if k not in out_names},
+                  tensors=tuple(specs[k].tensor_meta for k in in_ids),
+                  strided=tuple(d[1] for d in dims), sharded=tuple(d[0] for d in dims))
+
+
+def _expand(op, entry, mode, specs, meta_args, meta_kwargs, gflat, in_ids, out_names, fallback,
+            call=None) -> list:
     """Every choice the planner considers, as ``(combo, input placements, output placements)``:
     the rule's single-mesh-dim strategies (plus all-Replicate) combined over the mesh dims, each
-    followed, where an input holds a strided shard, by its strided variant (_strided_variant)."""
+    followed, where an input holds a strided shard, by its strided variant (_strided_variant).
+    ``call``: the rule's :class:`OpCall`, when the caller made it already."""
     n_out = len(gflat)
     if fallback:
         strategies = []
     else:
-        call = OpCall(op=_functional_of(op)[0] if mode != "functional" else op,
-                      args=tuple(_to_meta_info(a, specs) for a in meta_args),
-                      kwargs={k: _to_meta_info(v, specs) for k, v in meta_kwargs.items() if k not in out_names},
-                      tensors=tuple(specs[k].tensor_meta for k in in_ids),
-                      strided=tuple(tuple((p.dim, split_factor(p)) for p in specs[k].placements if is_strided(p))
-                                    for k in in_ids),
-                      sharded=tuple(tuple(p.dim for p in specs[k].placements if is_shard(p)) for k in in_ids))
+        if call is None:
+            call = _rule_call(_functional_of(op)[0] if mode != "functional" else op, specs, meta_args,
+                              meta_kwargs, in_ids, out_names)
         try:
             raw = list(entry.fn(call))
         except RuleError:
@@ -515,13 +536,18 @@ def _expand(op, entry, mode, specs, meta_args, meta_kwargs, gflat, in_ids, out_n
         combos = list(itertools.product(range(len(strategies)), repeat=m))
     carry_strided = any(s.has_strided for s in specs) and op not in _EXACT_VIEWS and not fallback
     choices = []
+    every_input = len(in_ids) == len(specs)
     for combo in combos:
-        rule_ins = [tuple(strategies[c][1][j] for c in combo) for j in range(len(in_ids))]
-        outs = tuple(tuple(strategies[c][0][k] for c in combo) for k in range(n_out))
-        ins_list = list(src_pl)
-        for j, k in enumerate(in_ids):
-            ins_list[k] = rule_ins[j]
-        ins = tuple(ins_list)
+        # per input (per output): its placements over the mesh dims, one strategy per mesh dim
+        rule_ins = tuple(zip(*[strategies[c][1] for c in combo]))
+        outs = tuple(zip(*[strategies[c][0] for c in combo]))
+        if every_input:
+            ins = rule_ins
+        else:  # an .out overload's out= tensors stay where they are
+            ins_list = list(src_pl)
+            for j, k in enumerate(in_ids):
+                ins_list[k] = rule_ins[j]
+            ins = tuple(ins_list)
         if carry_strided:
             variant = _strided_variant(specs, in_ids, ins, outs, gflat, mesh_shape)
             if variant is not None:
@@ -569,6 +595,14 @@ def planner_accepts(op, meta_args, meta_kwargs, in_specs, out_specs) -> bool:
     return ok
 
 
+def _kept_order(kept):
+    """The choices that move no input, as ``price`` yields them (cost 0, no moves): fewer
+    replicated outputs first, then the rule's order."""
+    reps = [sum(type(p) is Replicate for o in outs for p in o) for _, _, outs in kept]
+    for j in sorted(range(len(kept)), key=reps.__getitem__):
+        yield 0.0, 0, reps[j], kept[j][1], kept[j][2]
+
+
 def _lazy(make):
     """Iterate what ``make()`` returns, calling it only when the first item is asked for."""
     yield from make()
@@ -609,20 +643,24 @@ def _inplace_meta(functional_meta, functional_op, call: OpCall):
     return [self_meta]
 
 
-def _out_metas(op, meta_args, meta_kwargs, in_shapes, dtypes, overrides, meta_fn, strides=False) -> list:
+def _out_metas(op, meta_args, meta_kwargs, in_shapes, dtypes, overrides, meta_fn, strides=False,
+               metas=None, call=None) -> list:
     """Flat output metadata (TensorMeta, or None for a non-tensor output) of ``op`` on inputs of
     ``in_shapes``: from the rule's ``meta`` function when it has one (and does not decline with
     None), else from a run of the op's meta kernel.  Raises where the op would.  ``strides=False``:
-    only the shapes are compared by the caller."""
+    only the shapes are compared by the caller.  ``metas``: the inputs' contiguous TensorMetas,
+    and ``call``: the meta function's OpCall, when the caller has them."""
     if meta_fn is not None:
-        metas = [TensorMeta(tuple(sh), contiguous_strides(sh), dt) for sh, dt in zip(in_shapes, dtypes)]
+        if metas is None:
+            metas = [TensorMeta(tuple(sh), contiguous_strides(sh), dt) for sh, dt in zip(in_shapes, dtypes)]
         if overrides:  # shape arguments (view's size) given as this rank's local shapes
             meta_args = list(meta_args)
             for idx, shape in overrides:
                 meta_args[idx] = list(shape)
-        call = OpCall(op=op, args=tuple(_to_meta_info(a, None, metas) for a in meta_args),
-                      kwargs={k: _to_meta_info(v, None, metas) for k, v in meta_kwargs.items()},
-                      tensors=tuple(metas))
+        if call is None or overrides:
+            call = OpCall(op=op, args=tuple(_to_meta_info(a, None, metas) for a in meta_args),
+                          kwargs={k: _to_meta_info(v, None, metas) for k, v in meta_kwargs.items()},
+                          tensors=tuple(metas))
         try:
             got = meta_fn(call)
         except Exception as e:
@@ -685,7 +723,12 @@ def _check_local(op, meta_args, meta_kwargs, in_specs, out_specs, mesh_shape, sh
     seen = set()
     seen_call: list = []  # the global OpCall local_ok reads, built once
     dtypes = [s.dtype for s in in_specs]
-    for coord in itertools.product(*(range(n) for n in mesh_shape)):
+    if all(evenly_sharded(s.shape, mesh_shape, s.placements) for s in in_specs) and all(
+            o is None or evenly_sharded(o.shape, mesh_shape, o.placements) for o in out_specs):
+        coords = ((0,) * len(mesh_shape),)  # every rank's local shapes are these
+    else:
+        coords = itertools.product(*(range(n) for n in mesh_shape))
+    for coord in coords:
         in_local = tuple(local_shape(s.shape, mesh_shape, s.placements, coord) for s in in_specs)
         out_local = tuple(
             None if o is None else local_shape(o.shape, mesh_shape, o.placements, coord)
@@ -869,9 +912,34 @@ def _view_regions_match(in_spec: DTensorSpec, out_spec: DTensorSpec, mesh_shape)
     """Does every rank's output shard of a view hold exactly its input shard's elements?  (A view
     keeps the row-major order, and a shard lists its elements in global order, so the local view
     is then the right one.)"""
+    boxes = not in_spec.has_strided and not out_spec.has_strided
     for coord in itertools.product(*(range(n) for n in mesh_shape)):
-        a = _flat_runs(in_spec.shape, local_region(in_spec.shape, mesh_shape, in_spec.placements, coord))
-        b = _flat_runs(out_spec.shape, local_region(out_spec.shape, mesh_shape, out_spec.placements, coord))
+        a = b = None
+        if boxes:  # plain shards: one box per rank, usually one run of flat indices
+            a = _box_run(in_spec.shape, *local_shape_and_offset(in_spec.shape, mesh_shape, in_spec.placements, coord))
+            if a is not None:
+                b = _box_run(out_spec.shape,
+                             *local_shape_and_offset(out_spec.shape, mesh_shape, out_spec.placements, coord))
+        if a is None or b is None:
+            a = _flat_runs(in_spec.shape, local_region(in_spec.shape, mesh_shape, in_spec.placements, coord))
+            b = _flat_runs(out_spec.shape, local_region(out_spec.shape, mesh_shape, out_spec.placements, coord))
         if a is None or b is None or a != b:
             return False
     return True
+
+
+def _box_run(shape, sizes, offsets):
+    """The box ``sizes`` at ``offsets`` of a row-major ``shape`` as :func:`_flat_runs` gives it,
+    when it is one run of flat indices (every dim inside the outermost partial one is whole);
+    None otherwise."""
+    t = len(shape) - 1
+    while t >= 0 and sizes[t] == shape[t]:
+        t -= 1
+    if t < 0:
+        n = math.prod(shape)
+        return [(0, n)] if n else []
+    if any(sizes[d] != 1 for d in range(t)):
+        return None
+    inner = math.prod(shape[t + 1:])
+    base = sum(offsets[d] * math.prod(shape[d + 1:]) for d in range(t)) + offsets[t] * inner
+    return [(base, base + sizes[t] * inner)] if sizes[t] * inner else []

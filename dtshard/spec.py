@@ -158,9 +158,44 @@ def local_region(
 
 def local_shape(global_shape, mesh_shape, placements, coordinate) -> tuple[int, ...]:
     """Shape of the local shard held at ``coordinate`` (any placements, strided ones included)."""
-    if not any(type(p) is _StridedShard for p in placements):
-        return local_shape_and_offset(global_shape, mesh_shape, placements, coordinate)[0]
-    return tuple(sum(hi - lo for lo, hi in r) for r in local_region(global_shape, mesh_shape, placements, coordinate))
+    shape = None
+    for mesh_dim, p in enumerate(placements):
+        t = type(p)
+        if t is Replicate or t is Partial:
+            continue
+        if t is _StridedShard:
+            return tuple(sum(hi - lo for lo, hi in r)
+                         for r in local_region(global_shape, mesh_shape, placements, coordinate))
+        if t is Shard or isinstance(p, Shard):
+            if shape is None:
+                shape = list(global_shape)
+            d = p.dim
+            # torch.chunk's layout (chunk_range, inlined: the planner asks this per rank and choice)
+            size, n = shape[d], mesh_shape[mesh_dim]
+            step = -(-size // n)
+            start = min(coordinate[mesh_dim] * step, size)
+            shape[d] = min(start + step, size) - start
+    return tuple(global_shape) if shape is None else tuple(shape)
+
+
+def evenly_sharded(global_shape, mesh_shape, placements) -> bool:
+    """Does every rank hold a shard of the same shape?  (True for plain placements whose sharded
+    dims each divide evenly, in mesh order, by the mesh dims that shard them: then
+    :func:`local_shape` is the same at every coordinate.)  False for strided shards."""
+    shape = None
+    for mesh_dim, p in enumerate(placements):
+        t = type(p)
+        if t is Replicate or t is Partial:
+            continue
+        if t is _StridedShard or (t is not Shard and not isinstance(p, Shard)):
+            return False
+        if shape is None:
+            shape = list(global_shape)
+        n = mesh_shape[mesh_dim]
+        if shape[p.dim] % n:
+            return False
+        shape[p.dim] //= n
+    return True
 
 
 def take_region(full, region: Region):
@@ -299,7 +334,22 @@ def placement_key(p: Placement) -> tuple:
 
 
 def placements_equal(a: Sequence[Placement], b: Sequence[Placement]) -> bool:
-    return len(a) == len(b) and all(placement_equal(x, y) for x, y in zip(a, b))
+    """``placement_equal`` over two sequences (inlined: the planner compares every choice's inputs
+    with where they are)."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x is y:
+            continue
+        t = type(x)
+        if t is not type(y):
+            return False
+        if t is Shard:
+            if x.dim != y.dim:
+                return False
+        elif t is not Replicate and x != y:
+            return False
+    return True
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -345,6 +395,12 @@ class SpecToken:
 #: token is never handed out twice), so a reset costs plan-cache misses, never a wrong plan
 _tokens: dict[tuple, SpecToken] = {}
 _TOKENS_LIMIT = 100_000
+
+
+#: what a DTensorSpec computes once and keeps as plain attributes (never pickled: a hash or a token
+#: belongs to this process)
+_DERIVED = frozenset({"_hash", "_eqkey", "_mesh_shape", "_has_strided", "_token", "_tensor_meta",
+                      "_contiguous_meta", "_sharded_dims"})
 
 
 @dataclass(frozen=True, eq=False)
@@ -413,7 +469,7 @@ class DTensorSpec:
         # identity (its process group names), which a load in another process may not share; a
         # token belongs to this process's plan cache.
         return {k: v for k, v in self.__dict__.items()
-                if k not in ("_hash", "_eqkey", "_mesh_shape", "_has_strided", "_token")}
+                if k not in _DERIVED}
 
     # ---- derived metadata -------------------------------------------------------------------
     @property
@@ -431,7 +487,35 @@ class DTensorSpec:
 
     @property
     def tensor_meta(self) -> TensorMeta:
-        return TensorMeta(self.shape, self.stride, self.dtype)
+        """What a rule sees of this tensor (made once per spec, like the hash)."""
+        m = self.__dict__.get("_tensor_meta")
+        if m is None:
+            m = TensorMeta(self.shape, self.stride, self.dtype)
+            object.__setattr__(self, "_tensor_meta", m)
+        return m
+
+    @property
+    def contiguous_meta(self) -> TensorMeta:
+        """:attr:`tensor_meta` with contiguous strides (what the planner runs meta functions on)."""
+        m = self.__dict__.get("_contiguous_meta")
+        if m is None:
+            m = self.tensor_meta
+            strides = contiguous_strides(self.shape)
+            if m.stride != strides:
+                m = TensorMeta(self.shape, strides, self.dtype)
+            object.__setattr__(self, "_contiguous_meta", m)
+        return m
+
+    @property
+    def sharded_dims(self) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
+        """``(tensor dim of each sharding mesh dim, (dim, split factor) of each strided shard)``,
+        in mesh order: what a rule's :class:`~dtshard.registry.OpCall` says of this input."""
+        d = self.__dict__.get("_sharded_dims")
+        if d is None:
+            d = (tuple(p.dim for p in self.placements if is_shard(p)),
+                 tuple((p.dim, split_factor(p)) for p in self.placements if is_strided(p)))
+            object.__setattr__(self, "_sharded_dims", d)
+        return d
 
     def numel(self) -> int:
         n = 1
@@ -444,7 +528,16 @@ class DTensorSpec:
 
     def with_placements(self, placements: Sequence[Placement]) -> "DTensorSpec":
         """The same tensor with other placements (and no layout-extension data)."""
-        return DTensorSpec(self.mesh, tuple(placements), self.shape, self.stride, self.dtype)
+        return self.on_mesh(tuple(placements), self.shape, self.stride, self.dtype)
+
+    def on_mesh(self, placements: tuple, shape: tuple, stride: tuple, dtype: torch.dtype) -> "DTensorSpec":
+        """A spec of another tensor on this spec's mesh (what the planner builds for an op's
+        outputs; the mesh's shape, cached here, carries over)."""
+        spec = DTensorSpec(self.mesh, placements, shape, stride, dtype)
+        ms = self.__dict__.get("_mesh_shape")
+        if ms is not None:
+            object.__setattr__(spec, "_mesh_shape", ms)
+        return spec
 
     @property
     def plain(self) -> "DTensorSpec":
