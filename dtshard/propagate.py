@@ -461,7 +461,9 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
             None if o is None else specs[0].on_mesh(outs[k], o.shape, o.stride, o.dtype)
             for k, o in enumerate(gflat)
         )
-        in_specs = [s.with_placements(t) for s, t in zip(specs, ins)]
+        # (an input that stays where it is keeps its spec, and what the spec has worked out)
+        in_specs = [s if s.extra is None and placements_equal(t, s.placements) else s.with_placements(t)
+                    for s, t in zip(specs, ins)]
         ok = _check_local(op, meta_args, meta_kwargs, in_specs, out_specs, mesh_shape, shape_args, shapes_fn,
                           local_op, entry.local_ok if entry is not None else None)
         if ok and op in _EXACT_VIEWS and _any_shard(in_specs[0]):
@@ -708,9 +710,8 @@ def _check_local(op, meta_args, meta_kwargs, in_specs, out_specs, mesh_shape, sh
     """
     if not config.check_plans:
         return True
-    if all(all(not is_shard(p) for p in s.placements) for s in in_specs) and all(
-        o is None or all(not is_shard(p) for p in o.placements) for o in out_specs
-    ):
+    if not any(s.sharded_dims[0] for s in in_specs) and not any(
+            o is not None and o.sharded_dims[0] for o in out_specs):
         return True  # nothing is sharded: local shapes equal global shapes, checked already
     if any(type(d) is torch.SymInt for s in in_specs for d in s.shape):
         raise NotImplementedError(
