@@ -392,7 +392,8 @@ def torch_dispatch(cls, op, types, args=(), kwargs=None):
     Fast path (a cache hit with flat arguments): one walk over the args builds the cache key
     (each DTensor's spec stands in as its :class:`~dtshard.spec.SpecToken`, hashed and compared
     in C) and the local args together; then the local call and the wrap.  Anything else (misses,
-    tensor lists, plain 0-d tensors, tensor kwargs) goes through :func:`dispatch_planned`, which
+    tensor lists, plain tensors other than 0-d ones after self, tensor kwargs) goes through
+    :func:`dispatch_planned`, which
     builds the same key.  Ops with a handler, and ``detach``, take their entry in ``_handlers``.
     """
     oid = id(op)  # ops are process-lifetime singletons, and OpOverload.__hash__ is Python-level
@@ -413,7 +414,12 @@ def torch_dispatch(cls, op, types, args=(), kwargs=None):
                 key.append(s._token or s.token())
                 largs.append(a._local_tensor)
             elif isinstance(a, torch.Tensor):
-                return dispatch_planned(op, args, kwargs or {})
+                if a.dim() != 0 or a is args[0]:  # a plain tensor beside DTensors: dispatch_planned decides
+                    return dispatch_planned(op, args, kwargs or {})
+                # a 0-d plain tensor after self (a Python scalar torch wrapped: ``p.mul_(0.9)``) is
+                # passed through as it is; dispatch_planned keys it the same way (_unwrap)
+                key.append(("0d", a.dtype, a.device))
+                largs.append(a)
             elif isinstance(a, (list, tuple)):
                 for b in a:
                     if isinstance(b, torch.Tensor):
@@ -447,6 +453,9 @@ def torch_dispatch(cls, op, types, args=(), kwargs=None):
         r._local_tensor = out
         r._spec = spec
         return r
+    if plan._simple_inplace and args[0]._copied_view is None:  # in place, nothing moves
+        plan.local_op(*largs, **kwargs)
+        return args[0]
     spec = plan._view_out
     if spec is not None:  # a view that stays a view of its base's shard: no bookkeeping to do
         base = args[0]

@@ -100,6 +100,10 @@ class Plan:
             self._simple_out = self.out_specs[0]
         #: the output spec of a view that stays a view: functional, one tensor out, nothing moves
         #: (the dispatcher then only fills the local shape arguments and wraps)
+        #: an in-place op that moves nothing and keeps self's metadata: the dispatcher runs the
+        #: local op and returns self
+        self._simple_inplace = (self.mode == "inplace" and not self.inplace_view and not self._redistributes
+                                and not self.shape_overrides)
         self._view_out = None
         if (self.is_view and not self._redistributes and len(self.out_specs) == 1 and self.out_specs[0] is not None
                 and facts.one_tensor_out):
