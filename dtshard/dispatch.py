@@ -393,8 +393,8 @@ def torch_dispatch(cls, op, types, args=(), kwargs=None):
     (each DTensor's spec stands in as its :class:`~dtshard.spec.SpecToken`, hashed and compared
     in C) and the local args together; then the local call and the wrap.  Anything else (misses,
     tensor lists, plain tensors other than 0-d ones after self, tensor kwargs) goes through
-    :func:`dispatch_planned`, which
-    builds the same key.  Ops with a handler, and ``detach``, take their entry in ``_handlers``.
+    :func:`dispatch_planned`, which builds the same key.  Ops with a handler, and ``detach``, take
+    their entry in ``_handlers``.
     """
     oid = id(op)  # ops are process-lifetime singletons, and OpOverload.__hash__ is Python-level
     if cls is not _RULES_ONLY:
