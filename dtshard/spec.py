@@ -476,46 +476,41 @@ class DTensorSpec:
     def ndim(self) -> int:
         return len(self.shape)
 
+    # what a spec works out once and keeps (one of _DERIVED), like its hash: each property reads
+    # the kept value and computes it only the first time
+    def _keep(self, name: str, value):
+        object.__setattr__(self, name, value)
+        return value
+
     @property
     def mesh_shape(self) -> tuple[int, ...]:
-        # cached like the hash: DeviceMesh.shape rebuilds a tuple from its layout on every call
+        # DeviceMesh.shape rebuilds a tuple from its layout on every call
         ms = self.__dict__.get("_mesh_shape")
-        if ms is None:
-            ms = tuple(self.mesh.shape)
-            object.__setattr__(self, "_mesh_shape", ms)
-        return ms
+        return ms if ms is not None else self._keep("_mesh_shape", tuple(self.mesh.shape))
 
     @property
     def tensor_meta(self) -> TensorMeta:
-        """What a rule sees of this tensor (made once per spec, like the hash)."""
+        """What a rule sees of this tensor."""
         m = self.__dict__.get("_tensor_meta")
-        if m is None:
-            m = TensorMeta(self.shape, self.stride, self.dtype)
-            object.__setattr__(self, "_tensor_meta", m)
-        return m
+        return m if m is not None else self._keep("_tensor_meta", TensorMeta(self.shape, self.stride, self.dtype))
 
     @property
     def contiguous_meta(self) -> TensorMeta:
         """:attr:`tensor_meta` with contiguous strides (what the planner runs meta functions on)."""
         m = self.__dict__.get("_contiguous_meta")
-        if m is None:
-            m = self.tensor_meta
-            strides = contiguous_strides(self.shape)
-            if m.stride != strides:
-                m = TensorMeta(self.shape, strides, self.dtype)
-            object.__setattr__(self, "_contiguous_meta", m)
-        return m
+        if m is not None:
+            return m
+        m, strides = self.tensor_meta, contiguous_strides(self.shape)
+        return self._keep("_contiguous_meta", m if m.stride == strides else TensorMeta(self.shape, strides, self.dtype))
 
     @property
     def sharded_dims(self) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
         """``(tensor dim of each sharding mesh dim, (dim, split factor) of each strided shard)``,
         in mesh order: what a rule's :class:`~dtshard.registry.OpCall` says of this input."""
         d = self.__dict__.get("_sharded_dims")
-        if d is None:
-            d = (tuple(p.dim for p in self.placements if is_shard(p)),
-                 tuple((p.dim, split_factor(p)) for p in self.placements if is_strided(p)))
-            object.__setattr__(self, "_sharded_dims", d)
-        return d
+        return d if d is not None else self._keep("_sharded_dims", (
+            tuple(p.dim for p in self.placements if is_shard(p)),
+            tuple((p.dim, split_factor(p)) for p in self.placements if is_strided(p))))
 
     def numel(self) -> int:
         n = 1
@@ -536,7 +531,7 @@ class DTensorSpec:
         spec = DTensorSpec(self.mesh, placements, shape, stride, dtype)
         ms = self.__dict__.get("_mesh_shape")
         if ms is not None:
-            object.__setattr__(spec, "_mesh_shape", ms)
+            spec._keep("_mesh_shape", ms)
         return spec
 
     @property
@@ -562,10 +557,8 @@ class DTensorSpec:
     def has_strided(self) -> bool:
         """Does any mesh dim hold a strided shard (``_StridedShard``)?"""
         h = self.__dict__.get("_has_strided")
-        if h is None:
-            h = any(type(p) is _StridedShard for p in self.placements)
-            object.__setattr__(self, "_has_strided", h)
-        return h
+        return h if h is not None else self._keep("_has_strided",
+                                                  any(type(p) is _StridedShard for p in self.placements))
 
     def local_shape_and_offset(self, coordinate: Sequence[int]):
         return local_shape_and_offset(self.shape, self.mesh_shape, self.placements, coordinate)
