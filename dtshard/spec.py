@@ -178,26 +178,6 @@ def local_shape(global_shape, mesh_shape, placements, coordinate) -> tuple[int, 
     return tuple(global_shape) if shape is None else tuple(shape)
 
 
-def evenly_sharded(global_shape, mesh_shape, placements) -> bool:
-    """Does every rank hold a shard of the same shape?  (True for plain placements whose sharded
-    dims each divide evenly, in mesh order, by the mesh dims that shard them: then
-    :func:`local_shape` is the same at every coordinate.)  False for strided shards."""
-    shape = None
-    for mesh_dim, p in enumerate(placements):
-        t = type(p)
-        if t is Replicate or t is Partial:
-            continue
-        if t is _StridedShard or (t is not Shard and not isinstance(p, Shard)):
-            return False
-        if shape is None:
-            shape = list(global_shape)
-        n = mesh_shape[mesh_dim]
-        if shape[p.dim] % n:
-            return False
-        shape[p.dim] //= n
-    return True
-
-
 def take_region(full, region: Region):
     """This rank's shard of the full tensor ``full`` (a copy when the region is not a box)."""
     out = full
@@ -564,14 +544,25 @@ class DTensorSpec:
         return local_shape_and_offset(self.shape, self.mesh_shape, self.placements, coordinate)
 
     def is_even(self) -> bool:
-        """True when every sharded dim splits into equal chunks (no padding anywhere)."""
-        shape = list(self.shape)
+        """True when every sharded dim splits into equal chunks (no padding anywhere): then every
+        rank's shard has the same shape."""
+        shape = None
+        mesh_shape = self.mesh_shape
         for mesh_dim, p in enumerate(self.placements):
-            if is_shard(p):
-                n = self.mesh_shape[mesh_dim] * (split_factor(p) if is_strided(p) else 1)
-                if shape[p.dim] % n:
-                    return False
-                shape[p.dim] //= self.mesh_shape[mesh_dim]
+            t = type(p)  # exact types first (the planner asks this per choice)
+            if t is Replicate or t is Partial:
+                continue
+            if t is _StridedShard:
+                n = mesh_shape[mesh_dim] * split_factor(p)
+            elif t is Shard or isinstance(p, Shard):
+                n = mesh_shape[mesh_dim]
+            else:
+                continue
+            if shape is None:
+                shape = list(self.shape)
+            if shape[p.dim] % n:
+                return False
+            shape[p.dim] //= mesh_shape[mesh_dim]
         return True
 
     def shard_mesh_dims(self, tensor_dim: int) -> list[int]:
