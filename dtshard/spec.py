@@ -158,24 +158,9 @@ def local_region(
 
 def local_shape(global_shape, mesh_shape, placements, coordinate) -> tuple[int, ...]:
     """Shape of the local shard held at ``coordinate`` (any placements, strided ones included)."""
-    shape = None
-    for mesh_dim, p in enumerate(placements):
-        t = type(p)
-        if t is Replicate or t is Partial:
-            continue
-        if t is _StridedShard:
-            return tuple(sum(hi - lo for lo, hi in r)
-                         for r in local_region(global_shape, mesh_shape, placements, coordinate))
-        if t is Shard or isinstance(p, Shard):
-            if shape is None:
-                shape = list(global_shape)
-            d = p.dim
-            # torch.chunk's layout (chunk_range, inlined: the planner asks this per rank and choice)
-            size, n = shape[d], mesh_shape[mesh_dim]
-            step = -(-size // n)
-            start = min(coordinate[mesh_dim] * step, size)
-            shape[d] = min(start + step, size) - start
-    return tuple(global_shape) if shape is None else tuple(shape)
+    if not any(type(p) is _StridedShard for p in placements):
+        return local_shape_and_offset(global_shape, mesh_shape, placements, coordinate)[0]
+    return tuple(sum(hi - lo for lo, hi in r) for r in local_region(global_shape, mesh_shape, placements, coordinate))
 
 
 def take_region(full, region: Region):
