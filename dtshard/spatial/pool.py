@@ -129,8 +129,28 @@ def _window_geometry(first, nsp, local_x_shape, x_shape, plans):
     return win, list(x_shape[first:]), origin
 
 
+def _leading_shift(win, full, origin):
+    """When the window differs from the global extent only in the first spatial dim (a tensor
+    sharded on H, say), a flat index moves by a constant between the two: ``origin[0]`` rows of
+    ``full[1:]`` elements.  Else None."""
+    if any(w != n for w, n in zip(win[1:], full[1:])) or any(origin[1:]):
+        return None
+    return origin[0] * _numel(full[1:])
+
+
 def _to_global(idx: torch.Tensor, win, full, origin, dilation) -> torch.Tensor:
-    """Window-flat indices -> global flat indices (padding positions to the first real element)."""
+    """Window-flat indices -> global flat indices (padding positions to the first real element).
+    ``idx`` is the kernel's own output: it may be updated in place."""
+    shift = _leading_shift(win, full, origin)
+    if shift is not None:  # one add (two more passes where the window starts in the padding)
+        out = idx.add_(shift)
+        if origin[0] < 0:  # output row r reads window rows from r * stride on: only the first
+            # -origin[0] output rows can have read a padding row
+            first = out.dim() - len(win)
+            head = out.narrow(first, 0, min(out.shape[first], -origin[0]))
+            row, dl = _numel(full[1:]), dilation[0]
+            head.copy_(torch.where(head < 0, head + ((row - 1 - head) // row + dl - 1) // dl * dl * row, head))
+        return out
     coords = []
     rest = idx
     for w in reversed(win):
@@ -148,6 +168,9 @@ def _to_global(idx: torch.Tensor, win, full, origin, dilation) -> torch.Tensor:
 
 def _to_window(idx: torch.Tensor, win, full, origin) -> torch.Tensor:
     """Global flat indices -> window-flat indices."""
+    shift = _leading_shift(win, full, origin)
+    if shift is not None:
+        return idx - shift
     coords = []
     rest = idx
     for n in reversed(full):
