@@ -463,7 +463,6 @@ def _bn_stats_normalise(x, spec, xo, xl, weight, bias, running_mean, running_var
     c = x.shape[1]
     n = x.numel() // c
     dims = tuple(_bn_dims(xl))
-    shape = [1, c] + [1] * (xl.dim() - 2)
     red = _partial_mesh_dims(_bn_sums(spec))
     counts = _stat_counts(spec, red, dims, C.mesh_coordinate(mesh)) if red else ()
     mean, var = _fused_stats(_gn_acc(xo), dims, counts, mesh, red)
