@@ -5,6 +5,7 @@ threads, side by side in one run.
 
     python benchmarks/bench_spatial_models.py                          # every config (~5-8 min on 2 cores)
     python benchmarks/bench_spatial_models.py --configs resnet18-224 --reps 5
+    python benchmarks/bench_spatial_models.py --configs resnet18-224 --profile 25   # + rank 0's top ops
 
 Configs: ``dtshard.models.ResNet18`` (torchvision's resnet18 layout, 1000 classes) on (8, 3, 64,
 64) and (8, 3, 224, 224) images sharded on H; ``dtshard.models.MonaiUNet3d`` (MONAI's UNet
@@ -14,12 +15,16 @@ backward and an SGD update.
 
 How: both ranks build the model from the same seed; rank 0 also keeps the unsharded copy.  Each
 repetition runs the sharded step on both ranks, then the one-process step on rank 0 with 2
-threads while rank 1 waits at a barrier (the order alternates every repetition, so both see the
-same machine noise).  Reported: the median wall time of a step (rank 0, between barriers), the
-ratio, the collectives of one step by kind and the bytes each rank sends (``CommCounter``), and
-the peak activation memory of one forward + backward (``dtshard.debug.peak_alloc_bytes``: the
-allocator's bytes above what existed before, gradient buffers already allocated) on each rank
-(the largest) against one process, and the loss of the first step on both sides.
+threads, then one shard alone on rank 0, while rank 1 waits at a barrier (the order reverses
+every repetition, so all three see the same machine noise).  Reported: the median wall time of a
+step (rank 0, between barriers), the ratio, the same model's step on one rank's shard of the
+input alone in one process with one thread ("one shard alone": the compute floor of a sharded
+step, no halo and no collective; the ratio to it is what sharding adds), the collectives of one
+step by kind and the bytes each rank sends (``CommCounter``), and the peak activation memory of
+one forward + backward (``dtshard.debug.peak_alloc_bytes``: the allocator's bytes above what
+existed before, gradient buffers already allocated) on each rank (the largest) against one
+process, and the loss of the first step on both sides.  ``--profile N``: rank 0's N aten ops with
+the most self CPU in one sharded step (torch.profiler).
 """
 
 from __future__ import annotations
@@ -94,19 +99,39 @@ def _bench(rank, world, args, q):
         kinds = dict(Counter(r.kind for r in comm.records))
         sent = comm.bytes()
         ag_ops = sorted({r.op for r in comm.records if r.kind == "all_gather"})
-        t_dist, t_ref = [], []
+        # the compute floor: the same model on one rank's shard of the input alone (one thread, no
+        # halo, no collective), what the sharded step would cost with free communication
+        shard = _make(kind)
+        sopt = torch.optim.SGD(shard.parameters(), lr=1e-3)
+        xs = x.narrow(dim, 0, xd.to_local().shape[dim]).contiguous()
+        ys = y if kind == "resnet18" else y.narrow(dim, 0, xs.shape[dim]).contiguous()
+        _step(shard, sopt, xs, ys)
+        t_dist, t_ref, t_shard = [], [], []
         for rep in range(args.reps):
-            for side in ((0, 1) if rep % 2 == 0 else (1, 0)):
+            for side in ((0, 1, 2) if rep % 2 == 0 else (2, 1, 0)):
                 dist.barrier()
                 t0 = time.perf_counter()
                 if side == 0:
                     _step(model, opt, xd, yd)
-                elif rank == 0:
+                elif rank == 0 and side == 1:
                     torch.set_num_threads(2)
                     _step(ref, ropt, x, y)
                     torch.set_num_threads(1)
+                elif rank == 0:
+                    _step(shard, sopt, xs, ys)
                 dist.barrier()
-                (t_dist if side == 0 else t_ref).append(time.perf_counter() - t0)
+                (t_dist, t_ref, t_shard)[side].append(time.perf_counter() - t0)
+        if args.profile:  # where the sharded step's time goes, by aten op (rank 0 profiles)
+            from torch.profiler import ProfilerActivity, profile
+
+            dist.barrier()
+            with profile(activities=[ProfilerActivity.CPU], enabled=rank == 0) as prof:
+                _step(model, opt, xd, yd)
+            if rank == 0:
+                print(f"{name}: one sharded step on rank 0 by op (PythonSubclass's self time: dtshard's "
+                      "Python and the waits inside its collectives)", flush=True)
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile,
+                                                max_name_column_width=48), flush=True)
         # activation memory of one forward + backward (gradient buffers exist already), and of the
         # forward alone (what it keeps for backward: the activations, without the gradients'
         # accumulation and the gradient bucket that the backward's peak includes)
@@ -125,13 +150,14 @@ def _bench(rank, world, args, q):
         dist.all_gather_object(peaks, peak)
         dist.all_gather_object(fwds, fwd)
         row = dict(name=name, shape=shape, dim=dim, ms=1e3 * statistics.median(t_dist),
-                   ms_ref=1e3 * statistics.median(t_ref), kinds=kinds, sent=sent, ag_ops=ag_ops,
+                   ms_ref=1e3 * statistics.median(t_ref), ms_shard=1e3 * statistics.median(t_shard),
+                   kinds=kinds, sent=sent, ag_ops=ag_ops,
                    peak=max(peaks), peak_ref=peak_ref, fwd=max(fwds), fwd_ref=fwd_ref, loss=loss, rloss=rloss,
                    local=tuple(xd.to_local().shape),
                    load=os.getloadavg()[0])
         if rank == 0:
             q.put(row)  # each config as it is done
-        model = ref = opt = ropt = None  # freed before the next config
+        model = ref = opt = ropt = shard = sopt = None  # freed before the next config
 
 
 def _entry(rank, world, port, args, q):
@@ -154,6 +180,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma separated, of {', '.join(CONFIGS)}")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also print the N aten ops of one sharded step on rank 0 with the most self CPU")
     args = p.parse_args(argv)
     args.configs = args.configs.split(",")
     world = 2
@@ -165,10 +193,11 @@ def main(argv=None):
         proc.start()
     print(f"torch {torch.__version__}, {world} ranks x 1 thread vs 1 process x 2 threads, {args.reps} reps, "
           f"load {os.getloadavg()[0]:.1f} at the start")
-    print("| model | input (global) | sharded | step ms, 2 ranks | 1 process | ratio | collectives / step "
+    print("| model | input (global) | sharded | step ms, 2 ranks | 1 process | ratio | one shard alone | ratio "
+          "| collectives / step "
           "| MiB sent / rank | fwd+bwd peak MiB / rank | 1 process | ratio | forward peak MiB / rank | 1 process "
           "| ratio | loss 2 ranks / 1 process | load |")
-    print("|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|", flush=True)
+    print("|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|", flush=True)
     rows = []
     for _ in args.configs:
         r = q.get(timeout=3600)
@@ -176,6 +205,7 @@ def main(argv=None):
         where = ("NCDHW" if len(r["shape"]) == 5 else "NCHW")[r["dim"]]
         print(f"| {r['name']} | {'x'.join(map(str, r['shape']))} | {where} "
               f"(local {r['local'][r['dim']]}) | {r['ms']:.0f} | {r['ms_ref']:.0f} | {r['ms'] / r['ms_ref']:.2f} "
+              f"| {r['ms_shard']:.0f} | {r['ms'] / r['ms_shard']:.2f} "
               f"| {_kinds(r['kinds'])} | {r['sent'] / 2**20:.2f} | {r['peak'] / 2**20:.1f} "
               f"| {r['peak_ref'] / 2**20:.1f} "
               f"| {r['peak'] / max(r['peak_ref'], 1):.2f} | {r['fwd'] / 2**20:.1f} | {r['fwd_ref'] / 2**20:.1f} "
