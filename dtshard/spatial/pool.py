@@ -246,7 +246,7 @@ def max_pool_backward_handler(op, args, kwargs):
             if plans:
                 win, full, origin = _window_geometry(first, nsp, local_x_shape, x.shape, plans)
                 il = _to_window(il, win, full, origin)
-            shape_only = gl.new_zeros(win_shape)  # the kernel reads only the input's shape
+            shape_only = gl.new_empty(win_shape)  # the kernel reads only the input's shape (and layout)
             gw = op(gl, shape_only, kernel, stride, local_padding, dilation, ceil_mode, il)
         for i, d, plan in reversed(plans):
             gw = halo.accumulate(gw, plan, d, mesh, i)
