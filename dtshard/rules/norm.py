@@ -216,14 +216,14 @@ def _gn_reduce(local, mesh, sums, stat_t, shape, dtype):
 #
 # A norm's statistics over sharded dims need the global mean and variance.  Reducing the sum, then
 # the centred squares about the global mean, is two collectives; one all_reduce of (sum, sum of
-# squares) is unstable (the variance is a difference of two large numbers when |mean| >> std),
-# and a shift every rank knows without communication does not exist in general (group norm has
-# none; batch norm's running mean is 0 at the first step).  So each rank computes its own
-# (mean, M2) per statistic (two passes: the mean, then the sum of squared deviations; float32 at
-# least), the pairs of the group are gathered in ONE all_gather (2 numbers per statistic per
-# rank: statistics, never activations), and every rank merges them the same way (Chan et al.'s
-# parallel formula, in group order: mean = sum n_i m_i / N, M2 = sum M2_i + sum n_i (m_i -
-# mean)^2), which is as stable as a two-pass variance and bitwise identical on every rank.  The counts n_i are metadata: every rank
+# squares) is unstable (the variance is a difference of two large numbers when |mean| >> std), and
+# a shift every rank knows without communication does not exist in general (group norm has none;
+# batch norm's running mean is 0 at the first step).  So each rank computes its own (mean, M2) per
+# statistic (two passes: the mean, then the sum of squared deviations; float32 at least), the pairs
+# of the group are gathered in ONE all_gather (2 numbers per statistic per rank: statistics, never
+# activations), and every rank merges them the same way (Chan et al.'s parallel formula, in group
+# order: mean = sum n_i m_i / N, M2 = sum M2_i + sum n_i (m_i - mean)^2), which is as stable as a
+# two-pass variance and bitwise identical on every rank.  The counts n_i are metadata: every rank
 # knows every rank's shard shape from the spec, so they do not travel.  The pairs travel and merge
 # in float64 whatever the input's dtype (2 * 8 bytes per statistic per rank).
 
