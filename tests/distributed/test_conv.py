@@ -527,7 +527,6 @@ def _pool_config_raw(rng: random.Random, mesh_shape, layout: str) -> dict:
 
 def _check_pool(cfg: dict, mesh_shape) -> None:
     m = mesh(mesh_shape)
-    nsp = cfg["nsp"]
     x = torch.randn((cfg["batch"], cfg["c"], *cfg["n"]), generator=torch.Generator().manual_seed(cfg["seed"]))
     if cfg["neg_inf"]:  # whole windows of -inf at the left edge: PyTorch's index is the first real one
         x.narrow(2, 0, min(2, x.shape[2])).fill_(float("-inf"))
@@ -612,6 +611,56 @@ def test_pool_non_spatial_layouts():
         "max R": "(Replicate(),)", "avg R": "(Replicate(),)", "max S3": "(Shard(dim=3),)",
         "avg S3": "(Shard(dim=3),)",
     }, got
+
+
+def _max_pool_first_dim_cases(world):
+    """Max pooling sharded on its FIRST spatial dim (the index conversion is one add there, plus
+    a fix on the output rows that can read left padding): every kernel / stride / padding /
+    dilation / ceil_mode combination below, with and without whole -inf rows at the top (the
+    index then points at the first real row, as PyTorch's does), indices and values exact against
+    PyTorch, and the input gradient where it is defined."""
+    import itertools
+
+    m = mesh((world,))
+    failures = []
+    n = 0
+    for nsp, k, s, p, d, h, ninf, ceil in itertools.product(
+            (2, 3), (2, 3, 5), (1, 2, 3), (0, 1, 2), (1, 2), (13 if world == 2 else 7,), (0, 2), (False, True)):
+        # (uneven shards either way: 7 + 6 rows, or 3 + 3 + 1; -inf rows matter where there is
+        # padding to step over; 3-D: one kernel)
+        if p > k // 2 or d * (k - 1) + 1 > h + 2 * p or (ninf and not p) or (nsp == 3 and (k, p) != (3, 1)):
+            continue
+        shape = (2, 3, h, 5) if nsp == 2 else (1, 2, h, 4, 3)
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(n))  # no ties
+        if ninf:
+            x.narrow(2, 0, ninf).fill_(float("-inf"))
+        fn = F.max_pool2d if nsp == 2 else F.max_pool3d
+        try:
+            ref, ref_idx = fn(x, k, s, p, d, ceil_mode=ceil, return_indices=True)
+        except RuntimeError:
+            continue
+        n += 1
+        try:
+            xd = dtshard.distribute_tensor(x, m, [Shard(2)]).requires_grad_()
+            out, idx = fn(xd, k, s, p, d, ceil_mode=ceil, return_indices=True)
+            assert torch.equal(idx.full_tensor(), ref_idx), "indices"
+            torch.testing.assert_close(out.full_tensor(), ref, equal_nan=True)
+            if not ninf:
+                xr = x.clone().requires_grad_()
+                g = global_tensor(tuple(ref.shape), n + 1)
+                (fn(xr, k, s, p, d, ceil_mode=ceil) * g).sum().backward()
+                (out.full_tensor() * g).sum().backward()
+                torch.testing.assert_close(xd.grad.full_tensor(), xr.grad)
+        except Exception as e:  # noqa: BLE001 - collected, reported by the test
+            failures.append(f"nsp={nsp} k={k} s={s} p={p} d={d} h={h} -inf rows={ninf} ceil={ceil}: "
+                            f"{type(e).__name__}: {str(e)[:300]}")
+    assert n > 50, n
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_max_pool_indices_when_sharded_on_the_first_spatial_dim(world):
+    _assert_no_failures(run_distributed(_max_pool_first_dim_cases, world, world, timeout=600))
 
 
 def test_pool_sweep_2x2_mesh():
