@@ -33,7 +33,7 @@ from dtshard import redistribute as R
 from dtshard._config import config  # noqa: F401  (dtshard.config; re-exported here for old imports)
 from dtshard.collectives import mesh_coordinate  # coordinate of this rank (cached)
 from dtshard.registry import OpCall, RuleEntry, get_entry, op_facts
-from dtshard.spec import (DTensorSpec, TensorMeta, contiguous_strides, is_shard, is_strided,
+from dtshard.spec import (DTensorSpec, TensorMeta, chunk_range, contiguous_strides, is_shard, is_strided,
                           local_region, local_shape, local_shape_and_offset, mesh_identity, placement_key,
                           placements_equal, placements_str, split_factor)
 
@@ -916,10 +916,41 @@ def _view_regions_match(in_spec: DTensorSpec, out_spec: DTensorSpec, mesh_shape)
     """Does every rank's output shard of a view hold exactly its input shard's elements?  (A view
     keeps the row-major order, and a shard lists its elements in global order, so the local view
     is then the right one.)"""
+    quick = _one_shard_regions_match(in_spec, out_spec, mesh_shape)
+    if quick is not None:
+        return quick
     for coord in itertools.product(*(range(n) for n in mesh_shape)):
         a = _flat_runs(in_spec.shape, _region(in_spec, mesh_shape, coord))
         b = _flat_runs(out_spec.shape, _region(out_spec, mesh_shape, coord))
         if a is None or b is None or a != b:
+            return False
+    return True
+
+
+def _one_shard_regions_match(in_spec: DTensorSpec, out_spec: DTensorSpec, mesh_shape) -> bool | None:
+    """:func:`_view_regions_match` without walking the ranks' regions, for the common case: a 1-D
+    mesh, both sides one plain ``Shard`` of a non-empty tensor.  A shard of dim ``d`` is, in flat
+    order, ``prod(shape[:d])`` runs of ``prod(shape[d+1:])``-element rows (chunk ``[a, b)`` of each
+    of the ``shape[d]``-row blocks), so two such shards hold the same elements on every rank when
+    their leading products are equal and each rank's chunk spans the same flat range within its
+    block (both empty counts as equal).  None when the case does not apply."""
+    if len(mesh_shape) != 1:
+        return None
+    p, q = in_spec.placements[0], out_spec.placements[0]
+    if type(p) is not Shard or type(q) is not Shard:
+        return None
+    a_shape, b_shape = in_spec.shape, out_spec.shape
+    if 0 in a_shape or 0 in b_shape:
+        return None
+    da, db = p.dim % len(a_shape), q.dim % len(b_shape)
+    if math.prod(a_shape[:da]) != math.prod(b_shape[:db]):
+        return None  # (they may still match when one rank holds everything: the walk decides)
+    ia, ib = math.prod(a_shape[da + 1:]), math.prod(b_shape[db + 1:])
+    n = mesh_shape[0]
+    for r in range(n):
+        sa, la = chunk_range(a_shape[da], n, r)
+        sb, lb = chunk_range(b_shape[db], n, r)
+        if (la or lb) and (sa * ia != sb * ib or la * ia != lb * ib):
             return False
     return True
 
