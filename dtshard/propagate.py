@@ -932,8 +932,9 @@ def _one_shard_regions_match(in_spec: DTensorSpec, out_spec: DTensorSpec, mesh_s
     mesh, both sides one plain ``Shard`` of a non-empty tensor.  A shard of dim ``d`` is, in flat
     order, ``prod(shape[:d])`` runs of ``prod(shape[d+1:])``-element rows (chunk ``[a, b)`` of each
     of the ``shape[d]``-row blocks), so two such shards hold the same elements on every rank when
-    their leading products are equal and each rank's chunk spans the same flat range within its
-    block (both empty counts as equal).  None when the case does not apply."""
+    their leading products are equal and each rank's chunk holds as many elements of its block
+    (chunks are contiguous in rank order, so equal lengths on every rank give equal offsets).
+    None when the case does not apply."""
     if len(mesh_shape) != 1:
         return None
     p, q = in_spec.placements[0], out_spec.placements[0]
@@ -948,9 +949,7 @@ def _one_shard_regions_match(in_spec: DTensorSpec, out_spec: DTensorSpec, mesh_s
     ia, ib = math.prod(a_shape[da + 1:]), math.prod(b_shape[db + 1:])
     n = mesh_shape[0]
     for r in range(n):
-        sa, la = chunk_range(a_shape[da], n, r)
-        sb, lb = chunk_range(b_shape[db], n, r)
-        if (la or lb) and (sa * ia != sb * ib or la * ia != lb * ib):
+        if chunk_range(a_shape[da], n, r)[1] * ia != chunk_range(b_shape[db], n, r)[1] * ib:
             return False
     return True
 
