@@ -15,11 +15,15 @@ backward and an SGD update.
 
 How: both ranks build the model from the same seed; rank 0 also keeps the unsharded copy.  Each
 repetition runs the sharded step on both ranks, then the one-process step on rank 0 with 2
-threads, then one shard alone on rank 0, while rank 1 waits at a barrier (the order reverses
+threads, then one shard alone on rank 0, while rank 1 waits at a barrier, then the sharded step
+with the ranks bound to cores (the order reverses
 every repetition, so all three see the same machine noise).  Reported: the median wall time of a
 step (rank 0, between barriers), the ratio, the same model's step on one rank's shard of the
 input alone in one process with one thread ("one shard alone": the compute floor of a sharded
-step, no halo and no collective; the ratio to it is what sharding adds), the collectives of one
+step, no halo and no collective; the ratio to it is what sharding adds), the sharded step again
+with each rank's threads bound to a core of its own ("each on its own core", Linux: what a
+launcher binding ranks to cores gives; unbound, the scheduler may queue one rank's gloo thread
+behind the other rank's compute for milliseconds), the collectives of one
 step by kind and the bytes each rank sends (``CommCounter``), and the peak activation memory of
 one forward + backward (``dtshard.debug.peak_alloc_bytes``: the allocator's bytes above what
 existed before, gradient buffers already allocated) on each rank (the largest) against one
@@ -30,6 +34,7 @@ the most self CPU in one sharded step (torch.profiler).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import statistics
@@ -71,6 +76,24 @@ def _step(model, opt, x, y):
     return loss
 
 
+_ALL_CPUS = set(range(os.cpu_count() or 1))
+
+
+def _can_pin(world: int) -> bool:
+    """Can each rank have a core of its own (Linux, at least one core per rank)?"""
+    return hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) >= world and os.path.isdir("/proc/self/task")
+
+
+def _pin(cpus: set) -> None:
+    """Bind every thread of this process (the main thread, gloo's and the intra-op pool's) to
+    ``cpus``, as a launcher binding each rank to its own core would (``taskset``, ``numactl``)."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:  # the thread ended meanwhile
+            pass
+
+
 def _bench(rank, world, args, q):
     import dtshard
     from dtshard import Replicate, Shard
@@ -106,12 +129,15 @@ def _bench(rank, world, args, q):
         xs = x.narrow(dim, 0, xd.to_local().shape[dim]).contiguous()
         ys = y if kind == "resnet18" else y.narrow(dim, 0, xs.shape[dim]).contiguous()
         _step(shard, sopt, xs, ys)
-        t_dist, t_ref, t_shard = [], [], []
+        t_dist, t_ref, t_shard, t_pinned = [], [], [], []
+        sides = (0, 1, 2, 3) if _can_pin(world) else (0, 1, 2)
         for rep in range(args.reps):
-            for side in ((0, 1, 2) if rep % 2 == 0 else (2, 1, 0)):
+            for side in (sides if rep % 2 == 0 else sides[::-1]):
                 dist.barrier()
+                if side == 3:
+                    _pin({rank % os.cpu_count()})
                 t0 = time.perf_counter()
-                if side == 0:
+                if side in (0, 3):
                     _step(model, opt, xd, yd)
                 elif rank == 0 and side == 1:
                     torch.set_num_threads(2)
@@ -120,12 +146,15 @@ def _bench(rank, world, args, q):
                 elif rank == 0:
                     _step(shard, sopt, xs, ys)
                 dist.barrier()
-                (t_dist, t_ref, t_shard)[side].append(time.perf_counter() - t0)
+                (t_dist, t_ref, t_shard, t_pinned)[side].append(time.perf_counter() - t0)
+                if side == 3:
+                    _pin(_ALL_CPUS)
         if args.profile:  # where the sharded step's time goes, by aten op (rank 0 profiles)
             from torch.profiler import ProfilerActivity, profile
 
             dist.barrier()
-            with profile(activities=[ProfilerActivity.CPU], enabled=rank == 0) as prof:
+            # (torch.profiler.profile takes no ``enabled``: rank 1 runs the step unprofiled)
+            with profile(activities=[ProfilerActivity.CPU]) if rank == 0 else contextlib.nullcontext() as prof:
                 _step(model, opt, xd, yd)
             if rank == 0:
                 print(f"{name}: one sharded step on rank 0 by op (PythonSubclass's self time: dtshard's "
@@ -151,6 +180,7 @@ def _bench(rank, world, args, q):
         dist.all_gather_object(fwds, fwd)
         row = dict(name=name, shape=shape, dim=dim, ms=1e3 * statistics.median(t_dist),
                    ms_ref=1e3 * statistics.median(t_ref), ms_shard=1e3 * statistics.median(t_shard),
+                   ms_pinned=1e3 * statistics.median(t_pinned) if t_pinned else None,
                    kinds=kinds, sent=sent, ag_ops=ag_ops,
                    peak=max(peaks), peak_ref=peak_ref, fwd=max(fwds), fwd_ref=fwd_ref, loss=loss, rloss=rloss,
                    local=tuple(xd.to_local().shape),
@@ -194,10 +224,10 @@ def main(argv=None):
     print(f"torch {torch.__version__}, {world} ranks x 1 thread vs 1 process x 2 threads, {args.reps} reps, "
           f"load {os.getloadavg()[0]:.1f} at the start")
     print("| model | input (global) | sharded | step ms, 2 ranks | 1 process | ratio | one shard alone | ratio "
-          "| collectives / step "
+          "| 2 ranks, each on its own core | ratio | collectives / step "
           "| MiB sent / rank | fwd+bwd peak MiB / rank | 1 process | ratio | forward peak MiB / rank | 1 process "
           "| ratio | loss 2 ranks / 1 process | load |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|", flush=True)
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|", flush=True)
     rows = []
     for _ in args.configs:
         r = q.get(timeout=3600)
@@ -206,7 +236,8 @@ def main(argv=None):
         print(f"| {r['name']} | {'x'.join(map(str, r['shape']))} | {where} "
               f"(local {r['local'][r['dim']]}) | {r['ms']:.0f} | {r['ms_ref']:.0f} | {r['ms'] / r['ms_ref']:.2f} "
               f"| {r['ms_shard']:.0f} | {r['ms'] / r['ms_shard']:.2f} "
-              f"| {_kinds(r['kinds'])} | {r['sent'] / 2**20:.2f} | {r['peak'] / 2**20:.1f} "
+              + (f"| {r['ms_pinned']:.0f} | {r['ms_pinned'] / r['ms_ref']:.2f} " if r["ms_pinned"] else "| n/a | n/a ")
+              + f"| {_kinds(r['kinds'])} | {r['sent'] / 2**20:.2f} | {r['peak'] / 2**20:.1f} "
               f"| {r['peak_ref'] / 2**20:.1f} "
               f"| {r['peak'] / max(r['peak_ref'], 1):.2f} | {r['fwd'] / 2**20:.1f} | {r['fwd_ref'] / 2**20:.1f} "
               f"| {r['fwd'] / max(r['fwd_ref'], 1):.2f} | {r['loss']:.6f} / {r['rloss']:.6f} | {r['load']:.1f} |",
