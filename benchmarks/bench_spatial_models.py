@@ -6,6 +6,7 @@ threads, side by side in one run.
     python benchmarks/bench_spatial_models.py                          # every config (~5-8 min on 2 cores)
     python benchmarks/bench_spatial_models.py --configs resnet18-224 --reps 5
     python benchmarks/bench_spatial_models.py --configs resnet18-224 --profile 25   # + rank 0's top ops
+    python benchmarks/bench_spatial_models.py --configs resnet18-224 --sync 4      # + where it waits
 
 Configs: ``dtshard.models.ResNet18`` (torchvision's resnet18 layout, 1000 classes) on (8, 3, 64,
 64) and (8, 3, 224, 224) images sharded on H; ``dtshard.models.MonaiUNet3d`` (MONAI's UNet
@@ -28,7 +29,8 @@ step by kind and the bytes each rank sends (``CommCounter``), and the peak activ
 one forward + backward (``dtshard.debug.peak_alloc_bytes``: the allocator's bytes above what
 existed before, gradient buffers already allocated) on each rank (the largest) against one
 process, and the loss of the first step on both sides.  ``--profile N``: rank 0's N aten ops with
-the most self CPU in one sharded step (torch.profiler).
+the most self CPU in one sharded step (torch.profiler).  ``--sync N``: where the sharded step
+waits, from every blocking collective of N steps timed on both ranks (``_sync_report``).
 """
 
 from __future__ import annotations
@@ -92,6 +94,60 @@ def _pin(cpus: set) -> None:
             os.sched_setaffinity(int(tid), cpus)
         except OSError:  # the thread ended meanwhile
             pass
+
+
+def _sync_report(name, rank, reps, step, pinned) -> None:
+    """Where the sharded step waits: every blocking collective of ``reps`` steps timed on both
+    ranks (dtshard.collectives' all_to_all, all_gather and all_reduce, wrapped; the gradient
+    buckets' in-flight all_reduce is not among them), then, per step: each rank's time inside
+    them, the arrival skew summed over the collectives (the later rank's arrival minus the
+    earlier's: time the earlier one waits for the other's compute), and the time from the later
+    arrival to the first rank's return (the collective's own latency).  With the ranks bound to
+    cores when the machine allows, as the "own core" column."""
+    import dtshard.collectives as C
+
+    log: list = []
+    saved = {n: getattr(C, n) for n in ("all_to_all", "all_gather", "all_reduce")}
+
+    def timed(fn, kind):
+        def call(*a, **k):
+            t0 = time.time()
+            out = fn(*a, **k)
+            log.append((kind, t0, time.time() - t0))
+            return out
+        return call
+
+    for n, fn in saved.items():
+        setattr(C, n, timed(fn, n))
+    if pinned:
+        _pin({rank % os.cpu_count()})
+    try:
+        for _ in range(reps):
+            dist.barrier()
+            step()
+    finally:
+        for n, fn in saved.items():
+            setattr(C, n, fn)
+        if pinned:
+            _pin(_ALL_CPUS)
+    logs = [None, None]
+    dist.all_gather_object(logs, log)
+    if rank != 0:
+        return
+    a, b = logs
+    if len(a) != len(b) or any(x[0] != y[0] for x, y in zip(a, b)):
+        print(f"{name}: the ranks' collectives differ ({len(a)} / {len(b)}): no sync report", flush=True)
+        return
+    skew = [abs(y[1] - x[1]) for x, y in zip(a, b)]
+    latency = [max(0.0, min(x[1] + x[2], y[1] + y[2]) - max(x[1], y[1])) for x, y in zip(a, b)]
+    per = 1e3 / reps
+    kinds = Counter(x[0] for x in a)
+    print(f"{name}: where the sharded step waits ({'ranks on own cores, ' if pinned else ''}{reps} steps): "
+          f"{len(a) // reps} blocking collectives a step ({', '.join(f'{v // reps} {k}' for k, v in kinds.items())}); "
+          f"inside them per step: rank 0 {sum(x[2] for x in a) * per:.0f} ms, rank 1 {sum(y[2] for y in b) * per:.0f} ms; "
+          f"arrival skew {sum(skew) * per:.0f} ms; latency after both arrive {sum(latency) * per:.0f} ms "
+          f"(median {statistics.median(latency) * 1e3:.2f} ms a collective); rank 1 arrives "
+          f"{statistics.mean(y[1] - x[1] for x, y in zip(a, b)) * 1e3:+.2f} ms later on average", flush=True)
 
 
 def _bench(rank, world, args, q):
@@ -161,6 +217,8 @@ def _bench(rank, world, args, q):
                       "Python and the waits inside its collectives)", flush=True)
                 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile,
                                                 max_name_column_width=48), flush=True)
+        if args.sync:
+            _sync_report(name, rank, args.sync, lambda: _step(model, opt, xd, yd), pinned=_can_pin(world))
         # activation memory of one forward + backward (gradient buffers exist already), and of the
         # forward alone (what it keeps for backward: the activations, without the gradients'
         # accumulation and the gradient bucket that the backward's peak includes)
@@ -212,6 +270,9 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also print the N aten ops of one sharded step on rank 0 with the most self CPU")
+    p.add_argument("--sync", type=int, default=0, metavar="N",
+                   help="also time every blocking collective of N sharded steps on both ranks: time inside "
+                        "them, arrival skew, latency")
     args = p.parse_args(argv)
     args.configs = args.configs.split(",")
     world = 2
