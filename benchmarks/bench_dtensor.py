@@ -1194,6 +1194,10 @@ def worker(rank, args, port, result_path):
     warnings.filterwarnings("ignore", message=".*deprecated.*")
     warnings.filterwarnings("ignore", message="Full backward hook")
     torch.set_num_threads(args.threads)
+    if args.bind_cores:  # this rank on its own core(s), before any thread starts (they inherit it)
+        n = os.cpu_count() or 1
+        per = max(1, n // WORLD_SIZE)
+        os.sched_setaffinity(0, {(rank * per + i) % n for i in range(per)})
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE,
                             timeout=datetime.timedelta(seconds=args.pg_timeout_s))
     try:
@@ -1592,6 +1596,9 @@ def main():
     ap.add_argument("--redist-sizes", default="0.0625,1,16", help="global tensor sizes in MiB")
     ap.add_argument("--reps", type=int, default=41, help="per-op repetitions (small shapes)")
     ap.add_argument("--miss-reps", type=int, default=21)
+    ap.add_argument("--bind-cores", action="store_true",
+                    help="bind each rank to its own core(s) (Linux), as a launcher would with taskset/numactl: "
+                         "an unbound gloo rank can wait milliseconds for the scheduler after compute")
     ap.add_argument("--op-budget-s", type=float, default=4.0, help="max seconds per op timing")
     ap.add_argument("--redist-reps", type=int, default=21)
     ap.add_argument("--train-reps", type=int, default=21)
