@@ -10,6 +10,7 @@ on 127.0.0.1.  From the repository root:
     python benchmarks/bench_dtensor.py --sections ops --ops add,view,linear
     python benchmarks/bench_dtensor.py --sections redist --transitions S0-R,P-S1
     python benchmarks/bench_dtensor.py --sections train --compile      # + torch.compile variants
+    python benchmarks/bench_dtensor.py --sections train --compile --bind-cores   # ranks bound to cores
     python benchmarks/bench_dtensor.py --impl dtshard --sections profile --profile-ops add \
         --profile-iters 10000                     # cProfile of the cached dispatch path
     python benchmarks/bench_dtensor.py --from-json benchmarks/results/bench_torch_dtshard.json --markdown
