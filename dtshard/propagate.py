@@ -929,19 +929,19 @@ def _view_regions_match(in_spec: DTensorSpec, out_spec: DTensorSpec, mesh_shape)
 
 def _one_shard_regions_match(in_spec: DTensorSpec, out_spec: DTensorSpec, mesh_shape) -> bool | None:
     """:func:`_view_regions_match` without walking the ranks' regions, for the common case: a 1-D
-    mesh, both sides one plain ``Shard`` of a non-empty tensor.  A shard of dim ``d`` is, in flat
-    order, ``prod(shape[:d])`` runs of ``prod(shape[d+1:])``-element rows (chunk ``[a, b)`` of each
-    of the ``shape[d]``-row blocks), so two such shards hold the same elements on every rank when
-    their leading products are equal and each rank's chunk holds as many elements of its block
-    (chunks are contiguous in rank order, so equal lengths on every rank give equal offsets).
-    None when the case does not apply."""
+    mesh, both sides one plain ``Shard`` of a non-empty tensor.  In flat order a tensor is
+    ``prod(shape[:d])`` blocks of ``shape[d]`` rows of ``prod(shape[d+1:])`` elements, and a shard
+    of dim ``d`` holds the same chunk of rows of every block, so two such shards hold the same
+    elements on every rank when their block counts are equal and each rank's chunk has as many
+    elements on both sides (chunks are contiguous in rank order: equal lengths on every rank give
+    equal offsets).  None when the case does not apply."""
     if len(mesh_shape) != 1:
         return None
     p, q = in_spec.placements[0], out_spec.placements[0]
     if type(p) is not Shard or type(q) is not Shard:
         return None
     a_shape, b_shape = in_spec.shape, out_spec.shape
-    if 0 in a_shape or 0 in b_shape:
+    if not a_shape or not b_shape or 0 in a_shape or 0 in b_shape:
         return None
     da, db = p.dim % len(a_shape), q.dim % len(b_shape)
     if math.prod(a_shape[:da]) != math.prod(b_shape[:db]):
