@@ -17,8 +17,8 @@ backward and an SGD update.
 How: both ranks build the model from the same seed; rank 0 also keeps the unsharded copy.  Each
 repetition runs the sharded step on both ranks, then the one-process step on rank 0 with 2
 threads, then one shard alone on rank 0, while rank 1 waits at a barrier, then the sharded step
-with the ranks bound to cores (the order reverses
-every repetition, so all three see the same machine noise).  Reported: the median wall time of a
+with the ranks bound to cores (the order reverses every repetition, so all four see the same
+machine noise).  Reported: the median wall time of a
 step (rank 0, between barriers), the ratio, the same model's step on one rank's shard of the
 input alone in one process with one thread ("one shard alone": the compute floor of a sharded
 step, no halo and no collective; the ratio to it is what sharding adds), the sharded step again
@@ -98,8 +98,9 @@ def _pin(cpus: set) -> None:
 
 def _sync_report(name, rank, reps, step, pinned) -> None:
     """Where the sharded step waits: every blocking collective of ``reps`` steps timed on both
-    ranks (dtshard.collectives' all_to_all, all_gather and all_reduce, wrapped; the gradient
-    buckets' in-flight all_reduce is not among them), then, per step: each rank's time inside
+    ranks (dtshard.collectives' all_to_all, all_gather and all_reduce, wrapped in the module:
+    dtshard calls them through it; the gradient buckets' in-flight all_reduce_ is not among
+    them), then, per step: each rank's time inside
     them, the arrival skew summed over the collectives (the later rank's arrival minus the
     earlier's: time the earlier one waits for the other's compute), and the time from the later
     arrival to the first rank's return (the collective's own latency).  With the ranks bound to
