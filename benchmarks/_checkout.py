@@ -3,7 +3,10 @@
 - :func:`import_this_checkout`: import THIS checkout's dtshard and dtshard_kernels (works from a
   fresh clone, installed or not): the repository root goes first on ``sys.path``, even when
   another checkout is pip-installed (editable);
-- :func:`free_port`: a free TCP port on 127.0.0.1 for a benchmark's process-group store.
+- :func:`free_port`: a free TCP port on 127.0.0.1 for a benchmark's process-group store;
+- :func:`own_cores` / :func:`bind_threads`: each rank on cores of its own, as a launcher binding
+  ranks with ``taskset`` / ``numactl`` would (an unbound gloo rank can wait milliseconds for the
+  scheduler after compute: benchmarks/README.md, "Step time and memory against one process").
 """
 
 from __future__ import annotations
@@ -28,3 +31,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+ALL_CPUS = frozenset(range(os.cpu_count() or 1))
+
+
+def own_cores(rank: int, world: int):
+    """The cores of ``rank`` when the machine's cores are split evenly among ``world`` ranks (at
+    least one each; Linux only), else None."""
+    n = os.cpu_count() or 1
+    if not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc/self/task") or n < world:
+        return None
+    per = n // world
+    return frozenset(range(rank * per, (rank + 1) * per))
+
+
+def bind_threads(cpus) -> None:
+    """Bind every thread of this process (the main thread, gloo's, the intra-op pool's) to
+    ``cpus``; threads started later inherit the main thread's binding."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:  # the thread ended meanwhile
+            pass

@@ -1195,10 +1195,13 @@ def worker(rank, args, port, result_path):
     warnings.filterwarnings("ignore", message=".*deprecated.*")
     warnings.filterwarnings("ignore", message="Full backward hook")
     torch.set_num_threads(args.threads)
-    if args.bind_cores:  # this rank on its own core(s), before any thread starts (they inherit it)
-        n = os.cpu_count() or 1
-        per = max(1, n // WORLD_SIZE)
-        os.sched_setaffinity(0, {(rank * per + i) % n for i in range(per)})
+    if args.bind_cores:  # this rank on its own core(s), before gloo's threads start (they inherit it)
+        from _checkout import bind_threads, own_cores
+
+        cores = own_cores(rank, WORLD_SIZE)
+        if cores is None:
+            raise SystemExit(f"--bind-cores: {os.cpu_count()} cores cannot give {WORLD_SIZE} ranks one each (Linux only)")
+        bind_threads(cores)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE,
                             timeout=datetime.timedelta(seconds=args.pg_timeout_s))
     try:

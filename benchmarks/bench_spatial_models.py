@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from _checkout import free_port, import_this_checkout  # noqa: E402  (benchmarks/: run as a script)
+from _checkout import ALL_CPUS, bind_threads, free_port, import_this_checkout, own_cores  # noqa: E402  (benchmarks/: run as a script)
 
 #: name: (model, input shape, sharded dim)
 CONFIGS = {
@@ -78,25 +78,7 @@ def _step(model, opt, x, y):
     return loss
 
 
-_ALL_CPUS = set(range(os.cpu_count() or 1))
-
-
-def _can_pin(world: int) -> bool:
-    """Can each rank have a core of its own (Linux, at least one core per rank)?"""
-    return hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) >= world and os.path.isdir("/proc/self/task")
-
-
-def _pin(cpus: set) -> None:
-    """Bind every thread of this process (the main thread, gloo's and the intra-op pool's) to
-    ``cpus``, as a launcher binding each rank to its own core would (``taskset``, ``numactl``)."""
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), cpus)
-        except OSError:  # the thread ended meanwhile
-            pass
-
-
-def _sync_report(name, rank, reps, step, pinned) -> None:
+def _sync_report(name, rank, reps, step, cores) -> None:
     """Where the sharded step waits: every blocking collective of ``reps`` steps timed on both
     ranks (dtshard.collectives' all_to_all, all_gather and all_reduce, wrapped in the module:
     dtshard calls them through it; the gradient buckets' in-flight all_reduce_ is not among
@@ -120,8 +102,8 @@ def _sync_report(name, rank, reps, step, pinned) -> None:
 
     for n, fn in saved.items():
         setattr(C, n, timed(fn, n))
-    if pinned:
-        _pin({rank % os.cpu_count()})
+    if cores:
+        bind_threads(cores)
     try:
         for _ in range(reps):
             dist.barrier()
@@ -129,8 +111,8 @@ def _sync_report(name, rank, reps, step, pinned) -> None:
     finally:
         for n, fn in saved.items():
             setattr(C, n, fn)
-        if pinned:
-            _pin(_ALL_CPUS)
+        if cores:
+            bind_threads(ALL_CPUS)
     logs = [None, None]
     dist.all_gather_object(logs, log)
     if rank != 0:
@@ -143,7 +125,7 @@ def _sync_report(name, rank, reps, step, pinned) -> None:
     latency = [max(0.0, min(x[1] + x[2], y[1] + y[2]) - max(x[1], y[1])) for x, y in zip(a, b)]
     per = 1e3 / reps
     kinds = Counter(x[0] for x in a)
-    print(f"{name}: where the sharded step waits ({'ranks on own cores, ' if pinned else ''}{reps} steps): "
+    print(f"{name}: where the sharded step waits ({'ranks on own cores, ' if cores else ''}{reps} steps): "
           f"{len(a) // reps} blocking collectives a step ({', '.join(f'{v // reps} {k}' for k, v in kinds.items())}); "
           f"inside them per step: rank 0 {sum(x[2] for x in a) * per:.0f} ms, rank 1 {sum(y[2] for y in b) * per:.0f} ms; "
           f"arrival skew {sum(skew) * per:.0f} ms; latency after both arrive {sum(latency) * per:.0f} ms "
@@ -187,12 +169,13 @@ def _bench(rank, world, args, q):
         ys = y if kind == "resnet18" else y.narrow(dim, 0, xs.shape[dim]).contiguous()
         _step(shard, sopt, xs, ys)
         t_dist, t_ref, t_shard, t_pinned = [], [], [], []
-        sides = (0, 1, 2, 3) if _can_pin(world) else (0, 1, 2)
+        cores = own_cores(rank, world)
+        sides = (0, 1, 2, 3) if cores else (0, 1, 2)
         for rep in range(args.reps):
             for side in (sides if rep % 2 == 0 else sides[::-1]):
                 dist.barrier()
                 if side == 3:
-                    _pin({rank % os.cpu_count()})
+                    bind_threads(cores)
                 t0 = time.perf_counter()
                 if side in (0, 3):
                     _step(model, opt, xd, yd)
@@ -205,7 +188,7 @@ def _bench(rank, world, args, q):
                 dist.barrier()
                 (t_dist, t_ref, t_shard, t_pinned)[side].append(time.perf_counter() - t0)
                 if side == 3:
-                    _pin(_ALL_CPUS)
+                    bind_threads(ALL_CPUS)
         if args.profile:  # where the sharded step's time goes, by aten op (rank 0 profiles)
             from torch.profiler import ProfilerActivity, profile
 
@@ -219,7 +202,7 @@ def _bench(rank, world, args, q):
                 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile,
                                                 max_name_column_width=48), flush=True)
         if args.sync:
-            _sync_report(name, rank, args.sync, lambda: _step(model, opt, xd, yd), pinned=_can_pin(world))
+            _sync_report(name, rank, args.sync, lambda: _step(model, opt, xd, yd), cores)
         # activation memory of one forward + backward (gradient buffers exist already), and of the
         # forward alone (what it keeps for backward: the activations, without the gradients'
         # accumulation and the gradient bucket that the backward's peak includes)
