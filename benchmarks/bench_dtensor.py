@@ -27,6 +27,13 @@ repetition) so machine noise hits all of them alike.  Per-op figures are thread
 CPU time (robust to other load on the machine); redistribute and train figures
 are wall time plus process CPU time.
 
+A cache miss (``clear_caches()`` before one timed call) is timed two ways, interleaved:
+"miss" with the heap that existed before frozen (``gc.freeze()``), so the ``gc.collect()``
+before the call frees the earlier calls' garbage without walking the whole heap: what planning
+an op costs; and "cold miss" after a full ``gc.collect()``, which walks every object of the
+process and leaves the CPU caches cold (a plain local ``torch.softmax`` of 64x64 then costs
+~250 us instead of ~5), so that column mostly measures how much code and data a call touches.
+
 Adapted from the shared side-by-side harness (bench_dtensor.py, adapter_template.py,
 pyspy_top.py).  Changes: dtshard built in and compared by default; per-op shapes are
 64x64 per-rank shards; ops x*2.0 and flatten added; full_tensor correctness check
@@ -564,18 +571,31 @@ def section_ops(impls, meshes, args, rank):
                     rec["error"] = f"{type(e).__name__}: {e}"[:300]
                     row["impls"][I.NAME] = rec
                     continue
-                # cache-miss cost: clear the impl's caches before each timed call
+                # cache-miss cost: clear the impl's caches before each timed call, two ways
+                # (interleaved). "miss": the heap that existed before is frozen (gc.freeze), so the
+                # gc.collect() before the call frees the previous calls' garbage without walking the
+                # whole heap: the planner's own cost. "cold miss": a full gc.collect() first, which
+                # walks every object of the process (165k where only torch is imported) and evicts
+                # the CPU caches: a plain local torch.softmax then costs ~250 us instead of ~5
+                # (measured), and the more code and data a call touches, the more it pays.
                 if hasattr(I, "clear_caches"):
-                    mw, mc = [], []
+                    times = {"": ([], []), "cold_": ([], [])}
                     try:
                         for _ in range(args.miss_reps if small else max(5, args.miss_reps // 3)):
-                            I.clear_caches()
-                            gc.collect()
-                            w, c, _ = time_once(dt_fn)
-                            mw.append(w)
-                            mc.append(c)
-                        rec["cache_miss_us"] = _median(mw) * 1e6
-                        rec["cache_miss_cpu_us"] = _median(mc) * 1e6
+                            for kind, (mw, mc) in times.items():
+                                if not kind:
+                                    gc.freeze()
+                                I.clear_caches()
+                                gc.collect()
+                                try:
+                                    w, c, _ = time_once(dt_fn)
+                                finally:
+                                    gc.unfreeze()
+                                mw.append(w)
+                                mc.append(c)
+                        for kind, (mw, mc) in times.items():
+                            rec[f"{kind}cache_miss_us"] = _median(mw) * 1e6
+                            rec[f"{kind}cache_miss_cpu_us"] = _median(mc) * 1e6
                     except Exception as e:  # noqa: BLE001
                         rec["cache_miss_error"] = f"{type(e).__name__}: {e}"[:300]
                     dt_fn()  # re-populate
@@ -605,8 +625,10 @@ def section_ops(impls, meshes, args, rank):
                         r["cpu_ratio_vs_ref"] = _ratio(cpu[name], cpu[ref_name])
                         r["wall_ratio_vs_ref"] = _ratio(wall[name], wall[ref_name])
                         rr = row["impls"][ref_name]
-                        if "cache_miss_cpu_us" in r and "cache_miss_cpu_us" in rr:
-                            r["cache_miss_ratio_vs_ref"] = r["cache_miss_cpu_us"] / rr["cache_miss_cpu_us"]
+                        for kind in ("", "cold_"):
+                            if f"{kind}cache_miss_cpu_us" in r and f"{kind}cache_miss_cpu_us" in rr:
+                                r[f"{kind}cache_miss_ratio_vs_ref"] = (r[f"{kind}cache_miss_cpu_us"]
+                                                                       / rr[f"{kind}cache_miss_cpu_us"])
             results.append(row)
             if rank == 0 and args.verbose:
                 print(f"  op {shape_name:6s} {op_name:12s} done", flush=True)
@@ -1325,9 +1347,9 @@ def _ops_rows(data, rank=0):
     ref = impls[0]
     hdr = ["shape", "op", "local", "pywrap", "pytree"]
     for n in impls:
-        hdr += [f"{n} us", "x local", "x pywrap", "miss us", "1st us", "out", "ok"]
+        hdr += [f"{n} us", "x local", "x pywrap", "miss us", "cold miss", "1st us", "out", "ok"]
         if n != ref:
-            hdr += [f"x {ref}", f"miss x {ref}"]
+            hdr += [f"x {ref}", f"miss x {ref}", f"cold miss x {ref}"]
     rows = []
     for row in r0["ops"]:
         cells = [row["shape"], row["op"]]
@@ -1338,16 +1360,18 @@ def _ops_rows(data, rank=0):
                       _f(row["pywrap_pytree"]["cpu_median_us"])]
         for n in impls:
             rec = row["impls"].get(n, {})
-            w = 9 if n != ref else 7
+            w = 11 if n != ref else 8
             if "cpu_median_us" not in rec:
                 cells += [_err(rec)] + [""] * (w - 1)
                 continue
             cells += [_f(rec["cpu_median_us"]), _f(rec.get("cpu_ratio"), "{:.2f}"),
                       _f(rec.get("cpu_ratio_vs_pywrap"), "{:.2f}"), _f(rec.get("cache_miss_cpu_us"), "{:.0f}"),
+                      _f(rec.get("cold_cache_miss_cpu_us"), "{:.0f}"),
                       _f(rec.get("first_call_cpu_us"), "{:.0f}"), rec.get("out_placements", ""),
                       _ok(rec, "local_result_matches", "full_tensor_matches")]
             if n != ref:
-                cells += [_f(rec.get("cpu_ratio_vs_ref"), "{:.2f}"), _f(rec.get("cache_miss_ratio_vs_ref"), "{:.2f}")]
+                cells += [_f(rec.get("cpu_ratio_vs_ref"), "{:.2f}"), _f(rec.get("cache_miss_ratio_vs_ref"), "{:.2f}"),
+                          _f(rec.get("cold_cache_miss_ratio_vs_ref"), "{:.2f}")]
         rows.append(cells)
     return hdr, rows
 
@@ -1467,7 +1491,9 @@ OPS_LEGEND = ("Per-op eager dispatch, rank 0, per-rank shards 64x64 (small) or 5
               "time; local = the same torch op on the local shards; pywrap / pytree = a do-nothing Python "
               "__torch_dispatch__ wrapper (flat / torch.utils._pytree): the floor for any Python subclass; "
               "x local, x pywrap, x <ref> = medians of per-repetition ratios measured interleaved in one run; "
-              "miss = one call after clearing the implementation's caches; 1st = first call in the process; "
+              "miss = one call after clearing the implementation's caches (the heap frozen, young garbage "
+              "collected first: the planner's own cost); cold miss = the same after a full gc.collect(), which "
+              "evicts the CPU caches; 1st = first call in the process; "
               "ok = local shard equals the op on local shards AND full_tensor() equals the op on global tensors.")
 REDIST_LEGEND = ("Redistribute on a 1-D mesh of 2 (gloo), rank 0. ms = median wall per call; x raw = per-rep "
                  "ratio vs the raw collective on the same bytes (uneven ' u' rows: rows padded to a multiple of "
