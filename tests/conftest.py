@@ -1,6 +1,7 @@
 """Suite-wide pytest configuration.
 
-Three things: ``TRITON_INTERPRET=1`` before anything imports triton, the modules the fork
+Four things: ``TRITON_INTERPRET=1`` before anything imports triton, inductor's scalar CPU
+kernels (``TORCHINDUCTOR_VEC_ISA_OK=0``, see below), the modules the fork
 server of the distributed worker pools imports once for every worker (torch.compile's), and the
 shutdown of those pools (:mod:`dtshard.testing.harness`) at the end of the session (they are also
 shut down at interpreter exit, but doing it here keeps the teardown inside pytest's timing and
@@ -14,6 +15,15 @@ import sys
 # Triton kernels on CPU (tests/kernels/test_triton_interpret.py); dtshard's own CPU paths use the
 # PyTorch reference kernels whatever this says.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Inductor's CPU kernels without explicit SIMD (inductor's own switch, read when its config is
+# first imported): the two inductor tests (tests/fsdp/test_fsdp_compile.py, mixed precision;
+# tests/compile/test_compile_models.py, the UNet) are about what dtshard hands inductor (the
+# graphs, functional collectives, the halo custom ops, bf16 policy) and lower, fuse and compare
+# the same way with scalar C++ kernels; their vectorized form builds each kernel against
+# ATen's vector headers and first compiles inductor's ISA probes. Cold cache, each test alone on
+# this 2-core machine: 54 -> 36 s and 40 -> 25 s. TORCHINDUCTOR_VEC_ISA_OK=1 runs them vectorized.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 import pytest  # noqa: E402
 
