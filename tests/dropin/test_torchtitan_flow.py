@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -161,27 +160,24 @@ def _laid_out(lib, model, values):
             for n, p in zip(names, model.parameters())]
 
 
-def _run_both():
+def _run_both(base):
     # one process: the reference init
     ref = TitanLlama(LlamaConfig()).double()
     torch.manual_seed(0)
     ref.init_weights()
     want = {n: p.detach() for n, p in ref.named_parameters()}
-    base = tempfile.gettempdir()
     out = {}
     for lib in ("dtshard", "torch"):
-        ckpt = [os.path.join(base, f"dtshard-titan-{lib}-{os.getppid()}")]
-        dist.broadcast_object_list(ckpt, src=0)
-        out[lib] = _flow(lib, ckpt[0], want)
+        out[lib] = _flow(lib, os.path.join(base, f"titan-{lib}"), want)
     ours, theirs = out["dtshard"], out["torch"]
     init_exact = all(torch.equal(ours[0][n], want[n]) for n in want)
     param_err = max((ours[2][n] - theirs[2][n]).abs().max().item() for n in want)
     return init_exact, ours[1], theirs[1], param_err, ours[3], theirs[3], ours[4], theirs[4]
 
 
-def test_torchtitan_flow_matches_pytorch():
+def test_torchtitan_flow_matches_pytorch(tmp_path):
     for rank, (init_exact, ours, theirs, param_err, ours_loaded, theirs_loaded, layout, tlayout) in enumerate(
-            run_distributed(_run_both, 4, timeout=600)):
+            run_distributed(_run_both, 4, str(tmp_path), timeout=600)):
         assert init_exact, rank  # init_weights on the 2x2 layout == one process, bit for bit
         assert layout == tlayout, (rank, layout, tlayout)
         assert layout["layers.0.attention.wq.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))", layout
