@@ -25,6 +25,7 @@ import contextlib
 import torch
 
 from dtshard import registry
+from dtshard.dispatch import MixedTensorError
 from dtshard.rules import loss as _loss_rules
 
 __all__ = ["loss_parallel"]
@@ -57,10 +58,26 @@ def _routed_to_handlers(mapping):
 
 @contextlib.contextmanager
 def loss_parallel():
-    """Context manager: loss parallelism for cross-entropy over class-sharded logits."""
+    """Context manager: loss parallelism for cross-entropy over class-sharded logits.
+
+    ``label_smoothing`` works, exactly (PyTorch's ``loss_parallel`` does not support it), with the
+    target given as a DTensor (``dtshard.distribute_tensor(target, mesh, [Replicate()])`` when
+    every rank holds the same full target): aten's smoothing term mixes the target with the
+    logits in ops other than the loss's own, where a plain target is refused with a message that
+    says so."""
     with _routed_to_handlers(_HANDLERS):
         _loss_rules._loss_parallel_depth[0] += 1
         try:
             yield
+        except MixedTensorError as e:
+            raise MixedTensorError(f"{e} {_PLAIN_TARGET_HINT}", e.tensor) from None
         finally:
             _loss_rules._loss_parallel_depth[0] -= 1
+
+
+_PLAIN_TARGET_HINT = (
+    "Inside loss_parallel(), a plain target (and class weight) is accepted by cross_entropy's own "
+    "ops only; F.cross_entropy with label_smoothing > 0 also mixes them with the logits elsewhere "
+    "(aten's smoothing term). Pass the target (and weight) as DTensors, e.g. "
+    "dtshard.distribute_tensor(target, mesh, [Replicate()]) when every rank holds the same full "
+    "target: label smoothing then runs exactly, the logits still never gathered.")

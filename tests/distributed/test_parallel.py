@@ -8,7 +8,6 @@ The op cases run on 2 ranks and on 4 (where most shapes are uneven, with empty s
 
 from __future__ import annotations
 
-import copy
 import warnings
 
 import pytest
@@ -410,6 +409,34 @@ def _loss_parallel(world):
         F.cross_entropy(x.flatten(0, -2), target.flatten())
     except RuntimeError as e:
         results.append("plain torch.Tensor" in str(e))
+    # label smoothing (which PyTorch's loss_parallel does not support): exact with the target and
+    # the class weights as DTensors, every reduction, an ignored target, the logits never gathered
+    logits = torch.randn(6, 10, generator=g, dtype=torch.float64)
+    weight = torch.rand(10, generator=g, dtype=torch.float64) + 0.5
+    dt_target = dtshard.distribute_tensor(target.flatten()[:6], m, [Replicate()])
+    dt_weight = dtshard.distribute_tensor(weight, m, [Replicate()])
+    kinds = set()
+    for reduction, w in (("mean", None), ("mean", weight), ("sum", weight), ("none", None)):
+        kw = dict(reduction=reduction, label_smoothing=0.1)
+        ref = logits.clone().requires_grad_()
+        want = F.cross_entropy(ref, target.flatten()[:6], weight=w, **kw)
+        want.backward(torch.ones_like(want))
+        x = dtshard.distribute_tensor(logits, m, [Shard(1)]).requires_grad_()
+        with CommCounter() as comm, dtshard.parallel.loss_parallel():
+            loss = F.cross_entropy(x, dt_target, weight=None if w is None else dt_weight, **kw)
+            loss.backward(torch.ones_like(loss))
+        torch.testing.assert_close(loss.full_tensor(), want, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(x.grad.full_tensor(), ref.grad, rtol=1e-12, atol=1e-12)
+        assert x.grad.placements == (Shard(1),)
+        kinds |= set(comm.kinds())
+    results.append(sorted(kinds))
+    # with a plain target, the smoothing term's ops refuse it and the error says what to do
+    try:
+        with dtshard.parallel.loss_parallel():
+            F.cross_entropy(x, target.flatten()[:6], label_smoothing=0.1)
+        results.append("no error")
+    except RuntimeError as e:
+        results.append("label_smoothing > 0" in str(e) and "distribute_tensor(target" in str(e))
     return results
 
 
@@ -420,6 +447,8 @@ def test_loss_parallel_cross_entropy_never_gathers_the_logits():
         for res in run_distributed(_loss_parallel, world, world):
             assert res[:4] == [["all_reduce"]] * 4, res
             assert res[4] is True
+            assert res[5] == ["all_reduce"], res  # label smoothing: no gather either
+            assert res[6] is True, res
 
 
 # ---------------------------------------------------------------------------------------------
