@@ -25,7 +25,7 @@ import contextlib
 import torch
 
 from dtshard import registry
-from dtshard.dispatch import MixedTensorError
+from dtshard.handlers import MixedTensorError
 from dtshard.rules import loss as _loss_rules
 
 __all__ = ["loss_parallel"]

@@ -11,6 +11,10 @@ placement raises as the plain in-place op does.
 
 ``_fused_adam_`` / ``_fused_adamw_`` are written as the same per-parameter math with DTensor ops
 (the reference formulas of ``torch.optim.adam``'s single-tensor path).
+
+``_amp_foreach_non_finite_check_and_unscale_`` (``torch.amp.GradScaler.unscale_``) runs aten's
+kernel on every gradient's shard and then makes the found-inf flag the same on every rank (a
+max over each mesh the gradients live on), so all ranks skip, or all take, the optimizer step.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ import math
 
 import torch
 
-from torch.distributed.tensor.placement_types import Replicate
+from torch.distributed.tensor.placement_types import Partial, Replicate
 
+from dtshard import handlers as H
 from dtshard.registry import op_facts, register_handler
 from dtshard.tensor import DTensor
 from dtshard.spec import mesh_identity
@@ -232,3 +237,50 @@ def _fused_adam_handler(op, args, kwargs):
 _FUSED = [op for name in ("_fused_adam_", "_fused_adamw_") for op in (
     getattr(getattr(aten, name, None), ov, None) for ov in ("default", "tensor_lr")) if op is not None]
 register_handler(_FUSED, keeps_strided=True)(_fused_adam_handler)
+
+
+# ---------------------------------------------------------------------------------------------
+# GradScaler's unscale
+# ---------------------------------------------------------------------------------------------
+
+
+def _local_of(op, t, what: str) -> torch.Tensor:
+    """A plain tensor as it is; a DTensor's shard, which must be its whole value (Replicate)."""
+    if not isinstance(t, DTensor):
+        return t
+    if any(not isinstance(p, Replicate) for p in t.placements):
+        raise ValueError(f"{op}: {what} must be a plain tensor or a Replicate DTensor (every rank holds "
+                         f"its whole value), not {tuple(t.shape)} {t.placements} on mesh {tuple(t.device_mesh.shape)}.")
+    return H.to_local(t, t.placements)
+
+
+@register_handler([aten._amp_foreach_non_finite_check_and_unscale_.default], keeps_strided=True)
+def amp_unscale_handler(op, args, kwargs):
+    """``_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)``: each gradient
+    times ``inv_scale`` in place, and ``found_inf`` set to 1 where any gradient holds an inf or a
+    NaN. Unscaling is elementwise, so aten's kernel runs on every shard as it is (any placement,
+    uneven and strided shards, Partial terms: a sum, max or mean of terms scales with them, and a
+    non-finite term makes the reduced value non-finite). The flag then has to be the same on every
+    rank, or ranks would disagree on skipping the step: each rank's flag is reduced with max over
+    every mesh the gradients live on (one all_reduce of one element per mesh, in the order the
+    meshes first appear in the list, which every rank shares). Plain tensors in the list are
+    unscaled as they are and their flag joins the reduction."""
+    grads, found_inf, inv_scale = H.bind(op, args, kwargs)
+    flag_out = _local_of(op, found_inf, "found_inf")
+    inv = _local_of(op, inv_scale, "inv_scale")
+    flag = flag_out.clone()
+    meshes: dict = {}
+    local_grads = []
+    for g in grads:
+        if isinstance(g, DTensor):
+            meshes.setdefault(mesh_identity(g.device_mesh), g.device_mesh)
+            local_grads.append(H.to_local(g, g.placements))
+        else:
+            local_grads.append(g)
+    op(local_grads, flag, inv)
+    with H.op_context(op):
+        for mesh in meshes.values():
+            spec = H.make_spec(mesh, [Partial("max")] * mesh.ndim, flag.shape, flag.dtype)
+            flag = H.wrap(flag, spec).redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
+    flag_out.copy_(flag)
+    return None

@@ -85,3 +85,66 @@ def test_clip_grad_norm_one_all_reduce_per_group():
 def test_foreach_optimizer_steps_issue_no_collective():
     for rank, problems in enumerate(run_distributed(_foreach_step, 2)):
         assert not problems, f"rank {rank}:\n" + "\n".join(problems)
+
+
+def _grad_scaler(lib: str, first: str):
+    """torch.amp.GradScaler over sharded parameters (two dtypes: two unscale calls sharing one
+    found-inf flag), 4 steps, the second with an inf in ONE element of one gradient, held by rank
+    1's shard only: every rank must find it and skip that step, as one process does. ``first``:
+    which parameter comes first in the list ("shard" or "replicate"; PyTorch's DTensor reads the
+    first gradient's placements to decide what to reduce)."""
+    import torch.distributed.tensor as tdt
+
+    mod = dtshard if lib == "dtshard" else tdt
+    mesh = mod.init_device_mesh("cpu", (2,))
+    g = torch.Generator().manual_seed(7)
+    layouts = [((5, 3), torch.float32, [Shard(0)]), ((4, 7), torch.float32, [Shard(1)]),
+               ((6,), torch.bfloat16, [Shard(0)]), ((3, 3), torch.float32, [Replicate()])]
+    if first == "replicate":
+        layouts = layouts[::-1]
+    weights = [torch.randn(shape, generator=g).to(dt) for shape, dt, _ in layouts]
+    coefs = [[torch.randn(shape, generator=g).to(dt) for shape, dt, _ in layouts] for _ in range(4)]
+    hit = next(k for k, (shape, _, pl) in enumerate(layouts) if shape == (5, 3))
+    coefs[1][hit][4, 1] = float("inf")  # row 4 of 5: rank 1's shard (rows 3-4)
+    runs = {}
+    for name in ("sharded", "one process"):
+        if name == "sharded":
+            # (a clone: PyTorch's distribute_tensor keeps a Replicate tensor's storage as the shard)
+            ps = [torch.nn.Parameter(mod.distribute_tensor(w.clone(), mesh, pl)) for w, (_, _, pl) in zip(weights, layouts)]
+            cs = [[mod.distribute_tensor(c, mesh, pl) for c, (_, _, pl) in zip(step, layouts)] for step in coefs]
+        else:
+            ps = [torch.nn.Parameter(w.clone()) for w in weights]
+            cs = coefs
+        opt = torch.optim.SGD(ps, lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
+        trace = []
+        for step in range(4):
+            loss = sum((p * c).float().sum() for p, c in zip(ps, cs[step]))
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            found = sum(v.item() for v in scaler._found_inf_per_device(opt).values())
+            # (full_tensor() of a Replicate DTensor is its shard itself, which the step then updates)
+            grads = [p.grad.full_tensor().clone() if hasattr(p.grad, "full_tensor") else p.grad.clone() for p in ps]
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            values = [p.full_tensor().clone() if hasattr(p, "full_tensor") else p.detach().clone() for p in ps]
+            trace.append((found, scaler.get_scale(), grads, values))
+        runs[name] = trace
+    problems = []
+    for step, (got, want) in enumerate(zip(runs["sharded"], runs["one process"])):
+        if got[:2] != want[:2]:
+            problems.append(f"step {step}: found_inf, scale {got[:2]} vs one process {want[:2]}")
+        for k, (a, b) in enumerate(zip(got[2] + got[3], want[2] + want[3])):
+            if not torch.equal(a, b):
+                problems.append(f"step {step}: tensor {k} differs from one process")
+    return [runs["sharded"][s][0] for s in range(4)], problems
+
+
+def test_grad_scaler_skips_the_step_on_every_rank_when_one_shard_overflows():
+    """dtshard with either parameter first; PyTorch's DTensor on the same code where its rule (the
+    first gradient's placements) covers it."""
+    for lib, first in (("dtshard", "shard"), ("dtshard", "replicate"), ("torch", "shard")):
+        for rank, (found, problems) in enumerate(run_distributed(_grad_scaler, 2, lib, first)):
+            assert found == [0.0, 1.0, 0.0, 0.0], (lib, first, rank, found)
+            assert not problems, f"{lib}, {first} first, rank {rank}:\n" + "\n".join(problems)
