@@ -218,6 +218,49 @@ class DTensor(torch.Tensor):
             _install_grad_hooks(r)
         return r
 
+    @property
+    def data(self) -> "DTensor":
+        """As ``torch.Tensor.data``: this DTensor detached from autograd, sharing its shard."""
+        return torch._C.TensorBase.data.__get__(self, type(self))
+
+    @data.setter
+    def data(self, new) -> None:
+        """``x.data = new`` (``nn.utils.vector_to_parameters``, ``p.data = p.data.to(dtype)``,
+        weight-loading code): ``x`` takes ``new``'s values, dtype and device and keeps its own
+        layout, so a parameter stays laid out as its parallel plan made it (``new`` is
+        redistributed to ``x``'s placements when they differ). ``new`` must be a DTensor of the
+        same global shape on the same mesh. (``torch.Tensor``'s own setter would update only the
+        wrapper's metadata and leave this rank's shard, so the assignment would do nothing.)"""
+        if not isinstance(new, DTensor):
+            raise TypeError(
+                f"dtshard: `.data = ` on a DTensor {tuple(self.shape)} {placements_str(self._spec.placements)} "
+                f"on mesh {tuple(self._spec.mesh.shape)} got a plain {type(new).__name__}"
+                f"{' of shape ' + str(tuple(new.shape)) if isinstance(new, torch.Tensor) else ''}, which does not "
+                "say how it is laid out over the mesh. Assign dtshard.distribute_tensor(t, mesh, placements) "
+                "(every rank holding the full tensor) or dtshard.DTensor.from_local(t, mesh, placements) (this "
+                "rank's shard), or copy the values in place: `with torch.no_grad(): x.copy_(...)`.")
+        spec = new._spec
+        if spec.mesh is not self._spec.mesh and mesh_identity(spec.mesh) != mesh_identity(self._spec.mesh):
+            raise ValueError(
+                f"dtshard: `.data = ` on a DTensor on mesh {tuple(self._spec.mesh.shape)} "
+                f"{self._spec.mesh.mesh_dim_names} got one on mesh {tuple(spec.mesh.shape)} {spec.mesh.mesh_dim_names}: "
+                "redistribute it onto this tensor's mesh first.")
+        if tuple(spec.shape) != tuple(self._spec.shape):
+            raise ValueError(
+                f"dtshard: `.data = ` on a DTensor of global shape {tuple(self._spec.shape)} got one of shape "
+                f"{tuple(spec.shape)}: a DTensor keeps its global shape (its layout, gradient hooks and any "
+                "FSDP/TP group are built for it); make a new tensor instead.")
+        if not placements_equal(spec.placements, self._spec.placements):
+            new = new.detach().redistribute(self._spec.mesh, self._spec.placements)
+            spec = new._spec
+        torch._C.TensorBase.data.__set__(self, new)  # the wrapper's dtype, device and strides
+        self._local_tensor = new._local_tensor
+        self._spec = spec
+        if spec.extra is not None:  # the layout data describes this version of the shard
+            self.__dict__[hooks.LAYOUT_VERSION] = self._version
+        else:
+            self.__dict__.pop(hooks.LAYOUT_VERSION, None)
+
     def requires_grad_(self, requires_grad: bool = True) -> "DTensor":
         """As ``torch.Tensor.requires_grad_``; a leaf DTensor that starts requiring grad (e.g. the
         tensor ``nn.Parameter(dtensor)`` builds) gets its gradients settled once (see

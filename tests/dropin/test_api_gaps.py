@@ -641,3 +641,65 @@ def _tensor_hooks_on_outputs():
 
 def test_tensor_hooks_on_from_local_and_redistribute_outputs():
     assert all(run_distributed(_tensor_hooks_on_outputs, 2))
+
+
+def _data_assignment():
+    """``x.data = new`` on DTensors (PyTorch's DTensor leaves the shard unchanged: the assignment
+    silently does nothing there, so this is checked against one process, not against it)."""
+    import torch.nn.functional as F
+
+    from dtshard.fsdp import fully_shard
+
+    mesh = dtshard.init_device_mesh("cpu", (2,))
+    g = torch.Generator().manual_seed(5)
+    layouts = [((5, 3), [Shard(0)]), ((4, 7), [Shard(1)]), ((3,), [Replicate()])]
+    ws = [torch.randn(s, generator=g) for s, _ in layouts]
+    ps = [nn.Parameter(dtshard.distribute_tensor(w.clone(), mesh, pl)) for w, (_, pl) in zip(ws, layouts)]
+    ref = [nn.Parameter(w.clone()) for w in ws]
+    out = {}
+    # nn.utils.vector_to_parameters: each parameter takes its slice of a replicated vector
+    vec = torch.randn(sum(w.numel() for w in ws), generator=g)
+    nn.utils.vector_to_parameters(dtshard.distribute_tensor(vec, mesh, [Replicate()]), ps)
+    nn.utils.vector_to_parameters(vec.clone(), ref)
+    out["v2p"] = [(tuple(p.placements) == tuple(pl), torch.equal(p.full_tensor(), r.detach()))
+                  for p, r, (_, pl) in zip(ps, ref, layouts)]
+    # then a training step: the gradient hooks and the optimizer see the new shards
+    opt, ropt = torch.optim.SGD(ps, lr=0.1), torch.optim.SGD(ref, lr=0.1)
+    for params, o in ((ps, opt), (ref, ropt)):
+        sum((p * p).sum() for p in params).backward()
+        o.step()
+    out["step"] = [torch.allclose(p.full_tensor(), r.detach()) and isinstance(p.grad, dtshard.DTensor)
+                   for p, r in zip(ps, ref)]
+    # a dtype cast by assignment, and .data still aliasing the shard
+    p = ps[0]
+    p.data = p.data.to(torch.bfloat16)
+    p.data.mul_(2)
+    out["cast"] = (p.dtype, p.to_local().dtype, tuple(p.placements),
+                   torch.equal(p.full_tensor(), (ref[0].detach() * 2).to(torch.bfloat16)))
+    # errors, the same on every rank
+    errors = []
+    for bad in (torch.zeros(5, 3), dtshard.distribute_tensor(torch.zeros(3, 5), mesh, [Shard(0)])):
+        try:
+            ps[1].data = bad
+        except (TypeError, ValueError) as e:
+            errors.append(type(e).__name__ + (": plain" if "plain" in str(e) else ": shape" if "shape" in str(e) else ""))
+    out["errors"] = errors
+    # a parameter of a fully_shard module: the next forward's all_gather reads the new shard
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 5)
+    fully_shard(lin, mesh=mesh)
+    new_w = torch.randn(5, 3, generator=g)
+    lin.weight.data = dtshard.distribute_tensor(new_w, mesh, [Shard(0)])
+    x = torch.randn(2, 3, generator=g)
+    want = F.linear(x, new_w, lin.bias.full_tensor())
+    out["fsdp"] = torch.allclose(lin(x), want)
+    return out
+
+
+def test_data_assignment_takes_the_new_values_and_keeps_the_layout():
+    for rank, out in enumerate(run_distributed(_data_assignment, 2)):
+        assert out["v2p"] == [(True, True)] * 3, (rank, out)
+        assert out["step"] == [True] * 3, (rank, out)
+        assert out["cast"] == (torch.bfloat16, torch.bfloat16, (Shard(0),), True), (rank, out)
+        assert out["errors"] == ["TypeError: plain", "ValueError: shape"], (rank, out)
+        assert out["fsdp"] is True, (rank, out)
