@@ -31,6 +31,9 @@ Partial(sum)        Replicate    Partial(sum) (linear in grad)
 
 ``scale_grad_by_freq`` divides by each id's count over ALL ids, so it never uses batch shards (the
 ids and grad are gathered on those mesh dims instead).  Partial(max/min) inputs are reduced first.
+
+``embedding_renorm_(weight, ids, max_norm, norm_type)`` (``F.embedding(..., max_norm=...)``) is
+written with DTensor ops: the ids of the whole batch, the rows' norms, one in-place multiply.
 """
 
 from __future__ import annotations
@@ -157,3 +160,29 @@ def embedding_dense_backward_handler(op, args, kwargs):
     else:
         local = aten.embedding_dense_backward.default(g_local, i_local, num_weights, padding_idx, scale_grad_by_freq)
     return wrap(local, make_spec(mesh, out, shape, grad.dtype))
+
+
+@register_handler(aten.embedding_renorm_.default)
+def embedding_renorm_handler(op, args, kwargs):
+    """``embedding_renorm_(weight, ids, max_norm, norm_type)``, in place: each row that ``ids``
+    names whose ``norm_type``-norm exceeds ``max_norm`` is scaled by ``max_norm / (norm + 1e-7)``,
+    as aten's kernel does (the scale worked out in float64, applied in the weight's dtype). Every
+    rank takes the ids of the whole batch (gathered where the batch is sharded: a replicated
+    weight must change the same rows on every rank, as one process does); the norms are DTensor
+    ops (over a column-sharded weight the rules reduce them) and the scaling one in-place multiply,
+    which keeps the weight's placements."""
+    names = ("self", "indices", "max_norm", "norm_type")
+    weight, ids, max_norm, norm_type = list(args) + [kwargs[n] for n in names[len(args):]]
+    mesh = _mesh_of(weight, ids)
+    weight, ids = _as_dtensor(op, weight, mesh), _as_dtensor(op, ids, mesh)
+    if weight.dim() != 2:
+        raise RuntimeError(f"{op}: 'weight' must be 2-D, got shape {tuple(weight.shape)}")
+    every_id = to_local(ids, [_R] * ids.device_mesh.ndim, op).reshape(-1)
+    named = torch.zeros(weight.shape[0], dtype=torch.bool, device=every_id.device)
+    named[every_id] = True  # the same on every rank: the ids are global
+    named = distribute_tensor(named, mesh, [_R] * mesh.ndim, src_data_rank=None)
+    norms = aten.linalg_vector_norm.default(weight, norm_type, [1]).to(torch.float64)
+    over = aten.logical_and.default(aten.gt.Scalar(norms, max_norm), named)
+    scale = aten.where.self(over, max_norm / (norms + 1e-7), torch.ones((), dtype=torch.float64))
+    weight.mul_(aten.unsqueeze.default(scale.to(weight.dtype), 1))
+    return weight

@@ -238,6 +238,42 @@ def test_embedding_rowwise_is_partial_and_grad_stays_sharded():
         assert out["colwise"] == ("(Shard(dim=2),)", "(Shard(dim=1),)", 0)
 
 
+def _embedding_max_norm():
+    """``F.embedding(..., max_norm=...)`` renormalises the rows the batch names, in place, before
+    the lookup: every weight layout (rows of 7 uneven over 2 ranks, columns, replicated) with the
+    ids replicated or batch-sharded, norms 2 and 1, against one process: the weight after it, the
+    output, the weight's gradient."""
+    m = mesh((2,))
+    g = torch.Generator().manual_seed(8)
+    W = torch.randn(7, 4, generator=g) * 2  # most rows' norms above max_norm
+    ids = torch.tensor([[1, 5, 5, 0], [6, 1, 3, 3]])  # rows 2 and 4 never named
+    failures = []
+    for wp in (Shard(0), Shard(1), Replicate()):
+        for ip in (Replicate(), Shard(0)):
+            for norm_type in (2.0, 1.0):
+                ref = W.clone().requires_grad_()
+                want = F.embedding(ids, ref, max_norm=1.5, norm_type=norm_type)
+                want.sum().backward()
+                w = dtshard.distribute_tensor(W, m, [wp]).requires_grad_()
+                i = dtshard.distribute_tensor(ids, m, [ip])
+                y = F.embedding(i, w, max_norm=1.5, norm_type=norm_type)
+                y.sum().backward()
+                what = f"weight {wp}, ids {ip}, norm {norm_type}"
+                if w.placements != (wp,):
+                    failures.append(f"{what}: the weight became {w.placements}")
+                for name, got, exp in (("weight", w.detach().full_tensor(), ref.detach()),
+                                       ("output", y.full_tensor(), want.detach()),
+                                       ("grad", w.grad.full_tensor(), ref.grad)):
+                    if not torch.allclose(got, exp, rtol=1e-6, atol=1e-6):
+                        failures.append(f"{what}: {name} differs by {(got - exp).abs().max().item():.3g}")
+    return failures
+
+
+def test_embedding_max_norm_renormalises_the_named_rows_in_every_layout():
+    for rank, failures in enumerate(run_distributed(_embedding_max_norm, 2)):
+        assert not failures, f"rank {rank}:\n" + "\n".join(failures)
+
+
 def _sdpa_heads_no_comm():
     m = mesh((2,))
     g = torch.Generator().manual_seed(0)
