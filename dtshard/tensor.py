@@ -282,6 +282,22 @@ class DTensor(torch.Tensor):
         if self.requires_grad and self.is_leaf:
             _install_grad_hooks(self)
 
+    def __format__(self, format_spec: str) -> str:
+        """``f"{loss:.4f}"``: a 0-d DTensor that every rank holds whole (Replicate) formats its
+        value, as a 0-d ``torch.Tensor`` does. A Partial one would need a collective, which a
+        format on one rank only (a print on rank 0) would leave the other ranks out of: it keeps
+        the repr without a format spec and raises with one. Other DTensors format as their repr."""
+        if self.dim() == 0 and not self.is_meta:
+            if not any(isinstance(p, Partial) for p in self._spec.placements):
+                return self._local_tensor.item().__format__(format_spec)
+            if format_spec:
+                raise ValueError(
+                    f"dtshard: format spec {format_spec!r} on a 0-d DTensor with placements "
+                    f"{placements_str(self._spec.placements)}: its value is a sum over ranks, which only a "
+                    "collective gives. Reduce it on every rank first (x.full_tensor(), or x.item() on every "
+                    "rank) and format that.")
+        return object.__format__(self, format_spec)
+
     def __repr__(self) -> str:  # never gathers
         return (
             f"dtshard.DTensor(local={self._local_tensor}, shape={tuple(self._spec.shape)}, "

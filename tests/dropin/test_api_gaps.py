@@ -696,6 +696,26 @@ def _data_assignment():
     return out
 
 
+def _format_scalars():
+    """``f"{loss:.4f}"`` on 0-d DTensors: a replicated one formats its value (as a 0-d tensor), a
+    Partial one raises (its value needs a collective), without a spec it keeps its repr."""
+    mesh = dtshard.init_device_mesh("cpu", (2,))
+    x = dtshard.distribute_tensor(torch.arange(6.0), mesh, [Shard(0)])
+    partial = x.sum()
+    replicated = partial.redistribute(mesh, [Replicate()])
+    out = [f"{replicated:.2f}", f"{replicated}", f"{torch.tensor(15.0)}", f"{partial}".startswith("dtshard.DTensor")]
+    try:
+        f"{partial:.2f}"
+    except ValueError as e:
+        out.append("sum over ranks" in str(e))
+    return out
+
+
+def test_format_of_a_scalar_dtensor():
+    for out in run_distributed(_format_scalars, 2):
+        assert out == ["15.00", "15.0", "15.0", True, True], out
+
+
 def test_data_assignment_takes_the_new_values_and_keeps_the_layout():
     for rank, out in enumerate(run_distributed(_data_assignment, 2)):
         assert out["v2p"] == [(True, True)] * 3, (rank, out)
