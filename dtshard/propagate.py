@@ -180,8 +180,14 @@ def lookup(op) -> tuple[RuleEntry | None, str]:
 
 
 def rules_file_hint(op) -> str:
+    namespace = getattr(op, "namespace", "aten")
+    if namespace in ("c10d", "_c10d_functional", "c10d_functional"):
+        # a torch.distributed collective called on a DTensor (dist.all_reduce(x)): not a rule's job
+        return ("a DTensor moves between layouts with x.redistribute(mesh, placements) or "
+                "x.full_tensor(); a torch.distributed collective takes plain tensors, so call it on "
+                "this rank's shard, x.to_local(), or on x.full_tensor()")
     return (
-        f"add a rule with @dtshard.register_rule(torch.ops.aten.{op._overloadpacket.__name__}."
+        f"add a rule with @dtshard.register_rule(torch.ops.{namespace}.{op._overloadpacket.__name__}."
         f"{op._overloadname}) in the matching family file under dtshard/rules/ (see CONTRIBUTING.md), "
         "or opt in to the slow path with dtshard.replicate_fallback()"
     )

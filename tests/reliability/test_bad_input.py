@@ -83,6 +83,10 @@ def _op_without_rule():
     torch.ops.aten.unfold_copy(_dt(), 1, 2, 1)
 
 
+def _raw_collective_on_a_dtensor():
+    dist.all_reduce(_dt())
+
+
 def _rule_returns_wrong_arity():
     with dtshard.override(torch.ops.aten.mm.default, lambda call: [((Shard(0),), (Shard(0),))]):
         _dt() @ _dt((3, 2), (Replicate(),))
@@ -161,6 +165,8 @@ CASES = {
     "target dim out of range": (_redistribute_dim_out_of_range, ValueError, ["Shard(5)", "2-D tensor"]),
     "redistribute to another mesh": (_redistribute_to_other_mesh, ValueError, ["another mesh"]),
     "op without a rule": (_op_without_rule, NotImplementedError, ["aten.unfold_copy.default", "(4, 3) (S(0))", "dtshard/rules/"]),
+    "raw collective on a DTensor": (_raw_collective_on_a_dtensor, NotImplementedError,
+                                    ["c10d.allreduce_.default", "(4, 3) (S(0))", "x.to_local()", "redistribute"]),
     "rule: wrong arity": (_rule_returns_wrong_arity, dtshard.RuleError, ["aten.mm.default", "1 input", "2 DTensor inputs"]),
     "rule: bad shard dim": (_rule_returns_bad_dim, dtshard.RuleError, ["Shard(2)", "2-D tensor"]),
     "rule: not a placement": (_rule_returns_non_placement, dtshard.RuleError, ["'S0'", "not a placement"]),
