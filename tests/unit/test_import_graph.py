@@ -152,7 +152,7 @@ LAYERS = {
     4: ["propagate"],
     5: ["dispatch", "tensor"],
     6: ["handlers", "distribute", "factories", "composites", "experimental", "debug", "grad_buckets", "parallel._linear"],
-    7: ["rules.*", "spatial.*", "parallel.*", "fsdp.*"],
+    7: ["rules.*", "spatial.*", "parallel.*", "fsdp.*", "checkpoint"],
     8: ["dtshard", "demo.*", "testing", "validate.*"],
 }
 #: imports that run up the layers: none (the dispatcher reaches the halo feature through
