@@ -145,7 +145,8 @@ def test_the_private_name_check_finds_one(tmp_path):
 #: the layer of every module under dtshard/ (docs/ARCHITECTURE.md holds the same table): a module
 #: imports its own layer or lower ones; ``name.*`` is the package and everything in it
 LAYERS = {
-    0: ["spec", "_config", "_trace", "hooks", "models", "testing.harness", "testing.sdpa_cuda_on_cpu"],
+    0: ["spec", "_config", "_trace", "hooks", "models", "testing.harness", "testing.sdpa_cuda_on_cpu",
+        "testing._fork_server_freeze"],
     1: ["layout", "registry", "rules._common"],
     2: ["collectives"],
     3: ["redistribute.*", "spatial.halo"],
