@@ -293,7 +293,7 @@ class DTensor(torch.Tensor):
             if format_spec:
                 raise ValueError(
                     f"dtshard: format spec {format_spec!r} on a 0-d DTensor with placements "
-                    f"{placements_str(self._spec.placements)}: its value is a sum over ranks, which only a "
+                    f"{placements_str(self._spec.placements)}: its value is a reduction over ranks, which only a "
                     "collective gives. Reduce it on every rank first (x.full_tensor(), or x.item() on every "
                     "rank) and format that.")
         return object.__format__(self, format_spec)

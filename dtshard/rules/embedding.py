@@ -42,7 +42,7 @@ import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from dtshard.collectives import mesh_coordinate
-from dtshard.handlers import make_spec, mixed_error, to_local, wrap
+from dtshard.handlers import bind, make_spec, mixed_error, to_local, wrap
 from dtshard.registry import register_handler
 from dtshard.spec import local_shape_and_offset
 from dtshard.distribute import distribute_tensor
@@ -171,8 +171,7 @@ def embedding_renorm_handler(op, args, kwargs):
     weight must change the same rows on every rank, as one process does); the norms are DTensor
     ops (over a column-sharded weight the rules reduce them) and the scaling one in-place multiply,
     which keeps the weight's placements."""
-    names = ("self", "indices", "max_norm", "norm_type")
-    weight, ids, max_norm, norm_type = list(args) + [kwargs[n] for n in names[len(args):]]
+    weight, ids, max_norm, norm_type = bind(op, args, kwargs)
     mesh = _mesh_of(weight, ids)
     weight, ids = _as_dtensor(op, weight, mesh), _as_dtensor(op, ids, mesh)
     if weight.dim() != 2:

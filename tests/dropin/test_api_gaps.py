@@ -707,7 +707,7 @@ def _format_scalars():
     try:
         f"{partial:.2f}"
     except ValueError as e:
-        out.append("sum over ranks" in str(e))
+        out.append("reduction over ranks" in str(e))
     return out
 
 
