@@ -34,7 +34,8 @@ from dtshard._config import config  # noqa: F401  (dtshard.config; re-exported h
 from dtshard.collectives import mesh_coordinate  # coordinate of this rank (cached)
 from dtshard.registry import OpCall, RuleEntry, get_entry, op_facts
 from dtshard.spec import (DTensorSpec, TensorMeta, chunk_range, contiguous_strides, is_shard, is_strided,
-                          local_region, local_shape, local_shape_and_offset, mesh_identity, placement_key,
+                          dim_patterns, dim_region, dim_steps, local_region, local_shape, local_shape_and_offset,
+                          local_shape_classes, mesh_identity, placement_key,
                           placements_equal, placements_str, split_factor)
 
 __all__ = ["Plan", "propagate", "NoRuleError", "RuleError", "config", "planner_accepts", "strategy_choices",
@@ -734,16 +735,19 @@ def _check_local(op, meta_args, meta_kwargs, in_specs, out_specs, mesh_shape, sh
     seen = set()
     seen_call: list = []  # the global OpCall local_ok reads, built once
     dtypes = [s.dtype for s in in_specs]
+    n_in = len(in_specs)
     if all(s.is_even() for s in in_specs) and all(o is None or o.is_even() for o in out_specs):
-        coords = ((0,) * len(mesh_shape),)  # every rank's local shapes are these
+        coord = (0,) * len(mesh_shape)  # every rank's local shapes are these
+        classes = [tuple(None if s is None else local_shape(s.shape, mesh_shape, s.placements, coord)
+                         for s in (*in_specs, *out_specs))]
     else:
-        coords = itertools.product(*(range(n) for n in mesh_shape))
-    for coord in coords:
-        in_local = tuple(local_shape(s.shape, mesh_shape, s.placements, coord) for s in in_specs)
-        out_local = tuple(
-            None if o is None else local_shape(o.shape, mesh_shape, o.placements, coord)
-            for o in out_specs
-        )
+        # every distinct combination of local shapes, in the order of the first rank holding it,
+        # without walking the ranks (spec.local_shape_classes)
+        classes = list(local_shape_classes(
+            [(s.shape, s.placements) for s in in_specs]
+            + [None if o is None else (o.shape, o.placements) for o in out_specs], mesh_shape))
+    for key in classes:
+        in_local, out_local = tuple(key[:n_in]), tuple(key[n_in:])
         key = (in_local, out_local)
         if key in seen:
             continue
@@ -847,7 +851,9 @@ def _strided_variant(specs, in_ids, ins, outs, gflat, mesh_shape):
     correct when the op works element by element along the paired dims, which is what a rule
     claims when it keeps a dim sharded from input to output with its size unchanged (or contracts
     it into a Partial): so the variant is kept only if, on every rank, every paired dim has the
-    same size and holds exactly the same global indices.  (Convolutions, pools and the other ops
+    same size and holds exactly the same global indices (_same_dim_regions: decided from each
+    dim's nesting of shards, without walking the ranks; where that is too costly to decide it
+    answers no, so the op redistributes: correct, only slower).  (Convolutions, pools and the other ops
     whose shards need their neighbours' rows are handlers, which never see a strided shard:
     dispatch converts it first.)"""
     m = len(mesh_shape)
@@ -874,11 +880,46 @@ def _strided_variant(specs, in_ids, ins, outs, gflat, mesh_shape):
                   if shapes[t] is not None and is_strided(rows[t][i])]
         if len({sh[d] for sh, _, d in paired}) != 1:
             return None
-        for coord in itertools.product(*(range(n) for n in mesh_shape)):
-            sets = {local_region(sh, mesh_shape, pl, coord)[d] for sh, pl, d in paired}
-            if len(sets) != 1:
-                return None
+        if not _same_dim_regions(paired[0][0][paired[0][2]], [dim_steps(pl, d, mesh_shape) for _, pl, d in paired],
+                                 mesh_shape):
+            return None
     return tuple(tuple(p) for p in ins2), tuple(tuple(o) for o in outs2)
+
+
+#: the most coordinates of several mesh dims a check walks where no exact argument decides; past
+#: it the check answers in its safe direction (a redistribute instead of a local plan)
+_ENUM_LIMIT = 4096
+
+
+def _sub_coords(mesh_dims, mesh_shape):
+    """Every coordinate of the mesh dims ``mesh_dims`` (a dict each), or None when there are more
+    than _ENUM_LIMIT of them and more than one mesh dim (one mesh dim is walked whatever its size:
+    linear in that dim, never in the world size)."""
+    sizes = [mesh_shape[i] for i in mesh_dims]
+    if len(sizes) > 1 and math.prod(sizes) > _ENUM_LIMIT:
+        return None
+    return (dict(zip(mesh_dims, c)) for c in itertools.product(*(range(n) for n in sizes)))
+
+
+def _same_dim_regions(length: int, steps_list, mesh_shape) -> bool:
+    """Do tensor dims of the same global ``length``, sharded by each of ``steps_list``
+    (spec.dim_steps), hold the same indices on every rank?
+
+    A dim's region depends only on its length, its steps and their mesh dims' coordinates, so equal
+    steps (the usual case: the same nesting of the same shards) decide True at once, as does an
+    empty dim; otherwise the coordinates of just the mesh dims involved are walked
+    (_sub_coords), and where there are too many of them the answer is False: the safe direction
+    (the strided variant is not used and the input redistributes, correct, only slower)."""
+    if length == 0 or len(set(steps_list)) == 1:
+        return True
+    dims = sorted({i for steps in steps_list for i, _, _ in steps})
+    subs = _sub_coords(dims, mesh_shape)
+    if subs is None:
+        return False
+    for sub in subs:
+        if len({dim_region(length, steps, sub) for steps in set(steps_list)}) != 1:
+            return False
+    return True
 
 
 #: a view is checked element by element only up to this many contiguous runs per rank (beyond it
@@ -925,12 +966,136 @@ def _view_regions_match(in_spec: DTensorSpec, out_spec: DTensorSpec, mesh_shape)
     quick = _one_shard_regions_match(in_spec, out_spec, mesh_shape)
     if quick is not None:
         return quick
+    verdict = _view_groups_match(in_spec, out_spec, mesh_shape)
+    if verdict is not None:
+        return verdict
+    if math.prod(mesh_shape) > _ENUM_LIMIT:
+        return False  # undecided without walking the ranks: the safe answer (the view redistributes)
     for coord in itertools.product(*(range(n) for n in mesh_shape)):
         a = _flat_runs(in_spec.shape, _region(in_spec, mesh_shape, coord))
         b = _flat_runs(out_spec.shape, _region(out_spec, mesh_shape, coord))
         if a is None or b is None or a != b:
             return False
     return True
+
+
+def _view_groups(a_shape, b_shape) -> list[tuple[range, range]]:
+    """The dims of two shapes of equal, non-zero element counts in consecutive groups of equal
+    products (``(a dims, b dims)`` each): a row-major flat index is then the groups' own flat
+    indices in mixed radix."""
+    groups, i, j = [], 0, 0
+    na, nb = len(a_shape), len(b_shape)
+    while i < na or j < nb:
+        i0, j0 = i, j
+        if i < na:
+            pa, pb, i = a_shape[i], 1, i + 1
+        else:  # trailing size-1 dims of b
+            pa, pb, j = 1, b_shape[j], j + 1
+        while pa != pb:  # the smaller side has dims left: the totals are equal
+            if pa < pb:
+                pa, i = pa * a_shape[i], i + 1
+            else:
+                pb, j = pb * b_shape[j], j + 1
+        groups.append((range(i0, i), range(j0, j)))
+    return groups
+
+
+def _view_groups_match(in_spec: DTensorSpec, out_spec: DTensorSpec, mesh_shape) -> bool | None:
+    """:func:`_view_regions_match`'s verdict without walking the ranks, or None where this cannot
+    decide it.
+
+    Split both shapes into groups of dims of equal products (_view_groups).  A rank's region is a
+    product over dims, so its flat indices are the product, in mixed radix, of its groups' own
+    flat index sets: two such products are equal exactly when every group's factors are equal, or
+    when both are empty.  A group's factors depend only on the coordinates of the mesh dims that
+    shard its dims; a group of one dim on each side with the same shards (spec.dim_steps) has equal
+    factors everywhere and drops out; the other groups, joined where they share a mesh dim, are
+    walked over those mesh dims' coordinates only (_sub_coords), each coordinate reduced to its
+    type: (input factor empty, output factor empty, all factors equal).  Components' coordinates
+    are independent, so some rank fails exactly when every component has a type with an empty-free
+    input (or output) side and one of them such a type with unequal factors.
+
+    The walk's run bound (_flat_runs: more than _MAX_RUNS runs on some rank makes the verdict
+    False) is decided from the distinct local shapes (spec.local_shape_classes): a rank's run count
+    is a function of its local shape, except on a dim that a strided shard splits, where it is
+    bounded by the dim's most intervals (spec.dim_patterns).  None where that bound or a walk does
+    not decide."""
+    a_shape, b_shape = tuple(in_spec.shape), tuple(out_spec.shape)
+    if math.prod(a_shape) == 0:
+        return True  # every rank holds nothing on both sides
+    # 1. the run bound, on every rank
+    for spec in (in_spec, out_spec):
+        bound = _max_runs_bound(spec, mesh_shape)
+        if bound is None:
+            return None
+        if bound is False:
+            return False
+    # 2. the groups' factors
+    steps_a = [dim_steps(in_spec.placements, d, mesh_shape) for d in range(len(a_shape))]
+    steps_b = [dim_steps(out_spec.placements, d, mesh_shape) for d in range(len(b_shape))]
+    live = []
+    for ga, gb in _view_groups(a_shape, b_shape):
+        if not any(steps_a[d] for d in ga) and not any(steps_b[d] for d in gb):
+            continue  # whole on every rank, on both sides
+        if len(ga) == 1 and len(gb) == 1 and steps_a[ga[0]] == steps_b[gb[0]]:
+            continue  # the same shards of the same length: equal factors on every rank
+        dims = {i for d in ga for i, _, _ in steps_a[d]} | {i for d in gb for i, _, _ in steps_b[d]}
+        live.append((ga, gb, dims))
+    components: list[tuple[list, set]] = []
+    for g in live:
+        comp = ([g], set(g[2]))
+        for other in [c for c in components if c[1] & comp[1]]:
+            components.remove(other)
+            comp = (other[0] + comp[0], other[1] | comp[1])
+        components.append(comp)
+    types_of = []
+    for groups, dims in components:
+        subs = _sub_coords(sorted(dims), mesh_shape)
+        if subs is None:
+            return None
+        types = set()
+        for sub in subs:
+            ie = oe = False
+            eq = True
+            for ga, gb, _ in groups:
+                fa = _flat_runs([a_shape[d] for d in ga], [dim_region(a_shape[d], steps_a[d], sub) for d in ga])
+                fb = _flat_runs([b_shape[d] for d in gb], [dim_region(b_shape[d], steps_b[d], sub) for d in gb])
+                if fa is None or fb is None:
+                    return None
+                ie, oe, eq = ie or not fa, oe or not fb, eq and fa == fb
+            types.add((ie, oe, eq))
+        types_of.append(types)
+    for side in (0, 1):  # some rank with no empty factor on this side and an unequal factor: fails
+        if all(any(not t[side] for t in ts) for ts in types_of) and any(
+                not t[side] and not t[2] for ts in types_of for t in ts):
+            return False
+    return True
+
+
+def _max_runs_bound(spec: DTensorSpec, mesh_shape):
+    """True when no rank's region of ``spec`` has more than _MAX_RUNS runs in _flat_runs' count,
+    False when some rank's has, None when this cannot tell (a strided dim's interval count is
+    bounded, not known, per rank)."""
+    shape = tuple(spec.shape)
+    nd = len(shape)
+    most = [1] * nd  # the most intervals a dim's region has on any rank
+    for d in range(nd):
+        steps = dim_steps(spec.placements, d, mesh_shape)
+        if any(parts > 1 for _, _, parts in steps):
+            most[d] = max(len(p) for p in dim_patterns(shape[d], steps))
+    unknown = False
+    for (local,) in local_shape_classes(((shape, spec.placements),), mesh_shape):
+        t = nd - 1
+        while t >= 0 and local[t] == shape[t]:
+            t -= 1
+        if t < 0:
+            continue
+        count = math.prod(local[:t]) * (min(most[t], local[t]) if local[t] else 0)
+        if count > _MAX_RUNS:
+            if most[t] == 1 or math.prod(local[:t]) > _MAX_RUNS:
+                return False  # this rank's count is over (it has at least one interval on dim t)
+            unknown = True
+    return None if unknown else True
 
 
 def _one_shard_regions_match(in_spec: DTensorSpec, out_spec: DTensorSpec, mesh_shape) -> bool | None:

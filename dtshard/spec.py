@@ -26,13 +26,19 @@ __all__ = [
     "SpecToken",
     "TensorMeta",
     "Region",
+    "chunk_classes",
     "chunk_range",
     "chunk_sizes",
+    "dim_patterns",
+    "dim_region",
+    "dim_steps",
     "is_shard",
     "is_strided",
     "local_region",
     "local_shape",
     "local_shape_and_offset",
+    "local_shape_classes",
+    "local_shapes",
     "placement_str",
     "placements_str",
     "take_region",
@@ -136,7 +142,7 @@ def local_region(
       or a dim that a view merged from several dims of which a non-first one was sharded
       (``(b, h)`` with ``h`` sharded, viewed as ``b*h``: ``sf = b``).
     """
-    region: list[list[tuple[int, int]]] = [[(0, n)] if n else [] for n in global_shape]
+    region: list = [((0, n),) if n else () for n in global_shape]
     for mesh_dim, p in enumerate(placements):
         if isinstance(p, Shard):
             d, parts = p.dim, 1
@@ -144,16 +150,21 @@ def local_region(
             d, parts = p.dim, split_factor(p)
         else:
             continue
-        n, c = mesh_shape[mesh_dim], coordinate[mesh_dim]
-        cur = region[d]
-        total = sum(hi - lo for lo, hi in cur)
-        kept: list[tuple[int, int]] = []
-        for j in range(parts):
-            o, ln = chunk_range(total, parts, j)
-            a, b = chunk_range(ln, n, c)
-            kept.extend(_pick(cur, o + a, b))
-        region[d] = list(_merge(kept))
-    return tuple(tuple(r) for r in region)
+        region[d] = _shard_step(region[d], mesh_shape[mesh_dim], parts, coordinate[mesh_dim])
+    return tuple(region)
+
+
+def _shard_step(cur: Sequence[tuple[int, int]], n: int, parts: int, c: int) -> tuple[tuple[int, int], ...]:
+    """What coordinate ``c`` of a mesh dim of size ``n`` keeps of a dim whose current (merged)
+    intervals are ``cur``, under a shard of ``parts`` parts (1: ``Shard``; ``sf``: a strided
+    shard): :func:`local_region`'s step for one mesh dim."""
+    total = sum(hi - lo for lo, hi in cur)
+    kept: list[tuple[int, int]] = []
+    for j in range(parts):
+        o, ln = chunk_range(total, parts, j)
+        a, b = chunk_range(ln, n, c)
+        kept.extend(_pick(cur, o + a, b))
+    return _merge(kept)
 
 
 def local_shape(global_shape, mesh_shape, placements, coordinate) -> tuple[int, ...]:
@@ -180,13 +191,212 @@ def take_region(full, region: Region):
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# facts about EVERY rank's shard, at a cost independent of the world size
+#
+# A check over all ranks never walks the mesh's coordinates (up to tens of thousands).  Two facts
+# make that possible:
+#
+# - a LENGTH is a function of lengths: the local length of a tensor dim after a shard on a mesh
+#   dim of size n depends only on the dim's current local length (torch.chunk layout: full
+#   chunks, one short chunk, then empty ones; a strided shard sums that over its parts).  Along
+#   one mesh dim it is constant on at most a few ranges of coordinates (_shard_len_segments), so
+#   the distinct local shapes over the whole mesh are found by walking the mesh dims in order and
+#   keeping the distinct length states (local_shape_classes);
+# - a tensor dim's REGION depends only on the coordinates of the mesh dims that shard that dim,
+#   through the sequence of those shards (dim_steps): two layouts with the same sequence hold the
+#   same indices of the dim on every rank.
+# ---------------------------------------------------------------------------------------------
+
+
+def chunk_classes(size: int, n: int) -> tuple[tuple[int, int, int], ...]:
+    """``(start, stop, length)``: the ranges of chunk indices in ``range(n)`` over which the
+    length of chunk ``c`` of ``size`` elements (torch.chunk layout) is constant: full chunks
+    ``[0, q)``, at most one short chunk ``{q}``, then empty ones."""
+    if size == 0:
+        return ((0, n, 0),)
+    step = -(-size // n)
+    q = size // step  # 1 <= q <= n
+    r = size - q * step
+    out = [(0, q, step)]
+    if q < n:
+        if r:
+            out.append((q, q + 1, r))
+            if q + 1 < n:
+                out.append((q + 1, n, 0))
+        else:
+            out.append((q, n, 0))
+    return tuple(out)
+
+
+def _part_lengths(total: int, parts: int) -> tuple[tuple[int, int], ...]:
+    """``(count, length)`` of the parts a strided shard of ``parts`` parts cuts ``total`` into."""
+    return tuple((b - a, ln) for a, b, ln in chunk_classes(total, parts) if ln)
+
+
+def _shard_len(total: int, n: int, parts: int, c: int) -> int:
+    """The local length at coordinate ``c`` (of ``n``) of a dim of current local length ``total``
+    after a shard of ``parts`` parts (what :func:`_shard_step` keeps, counted)."""
+    if parts == 1:
+        return chunk_range(total, n, c)[1]
+    return sum(k * chunk_range(ln, n, c)[1] for k, ln in _part_lengths(total, parts))
+
+
+def _shard_len_starts(total: int, n: int, parts: int) -> set[int]:
+    """Coordinates in ``range(n)`` at which :func:`_shard_len` may change (0 included): the union
+    of each part length's class boundaries, so the length is constant from each to the next."""
+    starts = {0}
+    for _, ln in ((1, total),) if parts == 1 else _part_lengths(total, parts):
+        starts.update(a for a, _, _ in chunk_classes(ln, n))
+    return starts
+
+
+def _shard_len_segments(total: int, n: int, parts: int) -> list[tuple[int, int, int]]:
+    """``(start, stop, length)``: :func:`_shard_len` over ``range(n)`` as constant ranges."""
+    starts = sorted(_shard_len_starts(total, n, parts))
+    return [(a, b, _shard_len(total, n, parts, a)) for a, b in zip(starts, starts[1:] + [n])]
+
+
+def _sharded_dim(p: Placement) -> tuple[int, int] | None:
+    """``(tensor dim, parts)`` of a shard placement (parts: 1 for ``Shard``, the split factor for a
+    strided shard), None for any other."""
+    t = type(p)
+    if t is Shard or (t is not _StridedShard and isinstance(p, Shard)):
+        return p.dim, 1
+    if t is _StridedShard:
+        return p.dim, split_factor(p)
+    return None
+
+
+def local_shape_classes(layouts: Sequence, mesh_shape: Sequence[int],
+                        pinned: dict[int, int] | None = None) -> dict[tuple, tuple[int, ...]]:
+    """The distinct combinations of local shapes over every coordinate of the mesh, each with the
+    lexicographically first coordinate that holds it, in that coordinate's order.
+
+    ``layouts``: ``(global_shape, placements)`` pairs (None entries stay None in every key), all
+    on ``mesh_shape``; a key holds each layout's :func:`local_shape` at the coordinate.  ``pinned``
+    (``{mesh dim: coordinate}``) restricts those mesh dims to one coordinate each.
+
+    Exact, at a cost independent of the world size: a local length is a function of the current
+    local length (:func:`_shard_len`), constant along a mesh dim on the ranges that
+    :func:`_shard_len_starts` gives; walking the mesh dims in order, the coordinates that reach one
+    combination of lengths have the same futures, so only the distinct combinations are kept
+    (the first coordinate of each range stands for it, which keeps each class's first coordinate).
+    Their count is bounded by the product over mesh dims of the few ranges each has, not by the
+    number of ranks."""
+    pinned = pinned or {}
+    start = tuple(None if lay is None else tuple(lay[0]) for lay in layouts)
+    states: dict[tuple, tuple[int, ...]] = {start: ()}
+    for i, n in enumerate(mesh_shape):
+        acts = []
+        for k, lay in enumerate(layouts):
+            if lay is not None:
+                sd = _sharded_dim(lay[1][i])
+                if sd is not None:
+                    acts.append((k, sd[0], sd[1]))
+        new: dict[tuple, tuple[int, ...]] = {}
+        for st, pre in states.items():
+            if i in pinned:
+                coords = (pinned[i],)
+            elif not acts or n == 1:
+                coords = (0,)
+            else:
+                cs: set[int] = set()
+                for k, d, parts in acts:
+                    cs |= _shard_len_starts(st[k][d], n, parts)
+                coords = sorted(cs)
+            for c in coords:
+                nxt = list(st)
+                for k, d, parts in acts:
+                    sh = list(nxt[k])
+                    sh[d] = _shard_len(sh[d], n, parts, c)
+                    nxt[k] = tuple(sh)
+                key = tuple(nxt)
+                if key not in new:
+                    new[key] = pre + (c,)
+        states = new
+    return states
+
+
+def local_shapes(global_shape, mesh_shape, placements) -> list[tuple[int, ...]]:
+    """The distinct local shapes of one layout over every coordinate of the mesh
+    (:func:`local_shape_classes`), in the order of their first coordinates."""
+    return [k[0] for k in local_shape_classes(((tuple(global_shape), tuple(placements)),), mesh_shape)]
+
+
+def dim_steps(placements: Sequence[Placement], d: int, mesh_shape: Sequence[int]) -> tuple[tuple[int, int, int], ...]:
+    """``(mesh dim, size, parts)`` of each mesh dim that shards tensor dim ``d``, in mesh order,
+    size-1 mesh dims left out (a shard over one rank keeps everything).  Tensor dim ``d``'s region
+    at a coordinate is a function of its global length, these steps and the coordinates of
+    their mesh dims only (:func:`dim_region`): two layouts with equal steps and length hold the
+    same indices of the dim on every rank."""
+    out = []
+    for i, p in enumerate(placements):
+        sd = _sharded_dim(p)
+        if sd is not None and sd[0] == d and mesh_shape[i] > 1:
+            out.append((i, mesh_shape[i], sd[1]))
+    return tuple(out)
+
+
+def dim_region(length: int, steps, coordinate) -> tuple[tuple[int, int], ...]:
+    """:func:`local_region` of one tensor dim of global ``length`` sharded by ``steps``
+    (:func:`dim_steps`) at ``coordinate`` (indexable by mesh dim: a tuple or a dict)."""
+    cur: tuple = ((0, length),) if length else ()
+    for i, n, parts in steps:
+        cur = _shard_step(cur, n, parts, coordinate[i])
+    return cur
+
+
+def _canonical(pattern: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """Intervals of lengths ``pattern``, one index apart."""
+    out, pos = [], 0
+    for ln in pattern:
+        out.append((pos, pos + ln))
+        pos += ln + 1
+    return tuple(out)
+
+
+def dim_patterns(length: int, steps) -> set[tuple[int, ...]]:
+    """The distinct interval-length patterns (the lengths of a region's intervals, in order) that
+    tensor dim of global ``length`` sharded by ``steps`` (:func:`dim_steps`) has over every
+    coordinate.  Exact, linear in the mesh dims' sizes at most: what a shard keeps of a region
+    depends on the region's positions only through its pattern (kept intervals of distinct
+    merged intervals never touch, so the gaps' sizes do not matter: the pattern is carried by
+    intervals one index apart, :func:`_canonical`).  A one-interval region under a shard keeps a
+    pattern set by the parts' chunk lengths, constant on :func:`_shard_len_starts`' ranges, and by
+    which consecutive picks touch, possible only at coordinate 0 (a pick at the start of its part);
+    so coordinates 0, 1 and the ranges' starts stand for all.  A region of several intervals is
+    walked over every coordinate of that one mesh dim."""
+    pats: set[tuple[int, ...]] = {(length,) if length else ()}
+    for _, n, parts in steps:
+        new: set[tuple[int, ...]] = set()
+        for pat in pats:
+            total = sum(pat)
+            if len(pat) <= 1:
+                coords = _shard_len_starts(total, n, parts)
+                if n > 1:
+                    coords.add(1)
+            else:
+                coords = range(n)
+            cur = _canonical(pat)
+            for c in coords:
+                new.add(tuple(hi - lo for lo, hi in _shard_step(cur, n, parts, c)))
+        pats = new
+    return pats
+
+
 @functools.lru_cache(maxsize=4096)
 def _strided_is_blocks(global_shape, mesh_shape, placements) -> bool:
-    """Is every rank's region one block (one interval per dim)?"""
-    import itertools
-
-    return all(len(r) <= 1 for c in itertools.product(*(range(n) for n in mesh_shape))
-               for r in local_region(global_shape, mesh_shape, placements, c))
+    """Is every rank's region one block (one interval per dim)?  Per tensor dim (a dim's region
+    depends on its own shards only), from the dim's interval patterns (:func:`dim_patterns`):
+    exact, without walking the mesh's coordinates; a dim that no strided shard splits is one
+    interval everywhere (a chunk of an interval)."""
+    for d, length in enumerate(global_shape):
+        steps = dim_steps(placements, d, mesh_shape)
+        if any(parts > 1 for _, _, parts in steps) and any(
+                len(pat) > 1 for pat in dim_patterns(length, steps)):
+            return False
+    return True
 
 
 def local_shape_and_offset(

@@ -714,18 +714,20 @@ def _term_placements(mesh, fsdp_mesh, module_name: str, placements) -> tuple:
 
     fsdp_ranks = flat(C.rank_table(fsdp_mesh))
     coord = list(C.mesh_coordinate(mesh))
-    target, span = [], {tuple(coord)}
+    # span: this rank's coordinate with every Partial mesh dim left free, read as ONE slice of the
+    # rank table (never a set of coordinates, which would be a walk over FSDP's ranks)
+    target, span = [], list(coord)
     for d in range(mesh.ndim):
         along = ranks_of([slice(None) if k == d else c for k, c in enumerate(coord)])
         if along <= fsdp_ranks:
             target.append(Partial("sum"))
-            span = {tuple(c[:d]) + (r,) + tuple(c[d + 1:]) for c in span for r in range(mesh.size(d))}
+            span[d] = slice(None)
         elif len(along & fsdp_ranks) == 1:
             target.append(Replicate())
         else:
             span = None
             break
-    lined_up = span is not None and set().union(*(ranks_of(c) for c in span)) == fsdp_ranks
+    lined_up = span is not None and ranks_of(span) == fsdp_ranks
     if not lined_up:
         raise RuntimeError(
             f"fully_shard({module_name}): a parameter's gradient is a DTensor on mesh "

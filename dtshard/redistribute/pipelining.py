@@ -41,8 +41,8 @@ from dtshard import collectives as C
 from dtshard._config import config
 from dtshard._trace import copy_observers, note_copy
 from dtshard.redistribute.packing import copied, note_padding, numel_except, reduce_terms, with_length
-from dtshard.redistribute.planning import Step, all_coords
-from dtshard.spec import DTensorSpec, _itemsize, chunk_sizes, local_shape
+from dtshard.redistribute.planning import Step
+from dtshard.spec import DTensorSpec, _itemsize, chunk_sizes, local_shape_classes, local_shapes
 
 __all__ = ["all_gather_pipelined", "all_to_all_pipelined", "choose_pipe", "pipe_for", "reduce_scatter_pipelined"]
 
@@ -93,9 +93,11 @@ def choose_pipe(spec: DTensorSpec, state: tuple, step: Step, chunk: int, cap: in
     if kind != "all_to_all" and dims[0] == 0:
         return None  # lands in place: nothing to pack or unpack
     after = state[:i] + (dst,) + state[i + 1:]
-    coords = all_coords(spec.mesh_shape)
-    before_shapes = [local_shape(spec.shape, spec.mesh_shape, state, c) for c in coords]
-    after_shapes = [local_shape(spec.shape, spec.mesh_shape, after, c) for c in coords]
+    # the distinct local shapes on either side over every rank, never walking the ranks
+    # (spec.local_shapes): only their max, min and any are read below
+    ms = spec.mesh_shape
+    before_shapes = local_shapes(spec.shape, ms, state)
+    after_shapes = local_shapes(spec.shape, ms, after)
     shapes = before_shapes + after_shapes
     k = min(max(math.prod(s) for s in shapes) * _itemsize(spec.dtype) // chunk, cap)
     lead = next((t for t in range(len(spec.shape)) if any(s[t] >= 2 for s in shapes)), None)
@@ -106,8 +108,8 @@ def choose_pipe(spec: DTensorSpec, state: tuple, step: Step, chunk: int, cap: in
         return _Pipe(k, lead, False) if k >= 2 else None
     # the leading dim is the collective's: pieces of each member's block (the group's largest
     # block, at mesh coordinate 0 of mesh dim i, bounds them)
-    side = before_shapes if kind == "all_gather" or (kind == "all_to_all" and lead == src.dim) else after_shapes
-    k = min(k, min(s[lead] for s, c in zip(side, coords) if c[i] == 0))
+    side = state if kind == "all_gather" or (kind == "all_to_all" and lead == src.dim) else after
+    k = min(k, min(key[0][lead] for key in local_shape_classes(((spec.shape, side),), ms, pinned={i: 0})))
     if kind == "all_to_all":
         n = spec.mesh_shape[i]
         k = max(1, k // (n - 1))  # each piece is exchanged in n - 1 pairwise collectives

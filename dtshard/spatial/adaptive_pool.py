@@ -48,7 +48,6 @@ All decisions depend only on global shapes and placements, so every rank of a gr
 
 from __future__ import annotations
 
-import itertools
 from typing import Sequence
 
 import torch
@@ -57,7 +56,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from dtshard import collectives as C
 from dtshard.registry import register_handler
 from dtshard.handlers import bind, check_dtensors, make_spec, meta_run, op_context, to_local, wrap
-from dtshard.spec import DTensorSpec, local_shape_and_offset, placements_str
+from dtshard.spec import DTensorSpec, chunk_classes, chunk_range, placements_str
 
 aten = torch.ops.aten
 
@@ -77,13 +76,24 @@ def blocks_align(n_in: int, n_out: int, mesh_shape: Sequence[int], mesh_dims: Se
     if n_out <= 0 or n_in % n_out:
         return False
     k = n_in // n_out
-    sizes = [mesh_shape[i] for i in mesh_dims]
-    shard = [Shard(0)] * len(sizes)
-    for coord in itertools.product(*(range(s) for s in sizes)):
-        (li,), (oi,) = local_shape_and_offset((n_in,), sizes, shard, coord)
-        (lo,), (oo,) = local_shape_and_offset((n_out,), sizes, shard, coord)
-        if li != k * lo or oi != k * oo:
-            return False
+    # Never walks the ranks.  Mesh dim by mesh dim, each distinct output length L a rank may hold
+    # there (input k*L): the split aligns when every chunk's input length is k times its output
+    # length, since chunks lie in rank order (equal lengths give equal offsets, and offsets add up
+    # over the mesh dims).  Where a chunk's lengths differ, the chunks below it differ somewhere too
+    # (their lengths sum to the chunk's), so the first failing mesh dim decides.  Lengths are
+    # constant on the ranges of chunk_classes, which stand for their coordinates.
+    lengths = {n_out}
+    for i in mesh_dims:
+        n = mesh_shape[i]
+        nxt = set()
+        for ln in lengths:
+            starts = {a for a, _, _ in chunk_classes(ln, n)} | {a for a, _, _ in chunk_classes(k * ln, n)}
+            for c in starts:
+                lo, li = chunk_range(ln, n, c)[1], chunk_range(k * ln, n, c)[1]
+                if li != k * lo:
+                    return False
+                nxt.add(lo)
+        lengths = nxt
     return True
 
 
