@@ -1,18 +1,39 @@
-"""Which elements each rank must receive, and from whom, to change a layout: pure metadata.
+"""Which elements each rank must receive, and from whom, to change a layout: pure metadata, at
+a cost that does not grow with the number of ranks.
 
 A rank's shard is a *region* of the global tensor: per tensor dim, the sorted global index
 intervals it holds (one interval per dim, a box, for Shard/Replicate; several for a strided
-shard; Partial counts as the whole extent, like Replicate), see ``spec.local_region``.  To move from a source layout to
-a target layout over a group of ranks (the ranks that differ only in some mesh dims), each rank
-needs exactly the part of its target box that its source box lacks.  Cutting every tensor dim at
-every interval boundary of both layouts splits the tensor into *atoms*: boxes that are, for every
-rank, wholly inside or wholly outside its source and its target region.  Each atom a rank needs and lacks
-is sent to it by one rank of the group that holds it (the first in group order), so every rank
-receives the theoretical minimum; the sends of one (sender, receiver) pair travel as one segment
-of an ``all_to_all_single`` with per-rank split sizes (pairs with nothing to send send nothing).
+shard; Partial counts as the whole extent, like Replicate), see ``spec.local_region``.  Tensor dim
+``d``'s intervals depend only on the rank's coordinates on the mesh dims that shard ``d`` (its
+*levels*: ``(mesh dim, split factor)`` in mesh order, each cutting what the ones before it left),
+and a mesh dim shards at most one tensor dim.  Everything below works per tensor dim on that
+structure, never by visiting every rank of the mesh.
 
-Everything here is computed for every rank of the mesh from shared metadata, so every rank
-derives the same plan and the collective's sizes agree (see ``ExchangePlan``).
+An exchange moves from a source layout to a target layout over a *group* ``G`` of mesh dims (the
+ranks that differ only there).  The rank that sends receiver ``q`` an element is unique, by rule:
+
+- it has ``q``'s coordinates on every mesh dim outside ``G`` and on every mesh dim of ``G`` that the
+  source does not shard (a Replicate there holds the same values on every coordinate, so ``q``'s
+  own coordinate serves; for a Partial being reduced, see below);
+- on the mesh dims of ``G`` that shard the source, the coordinates of the one shard that holds it.
+
+So the senders of ``q`` (its *peers*) differ from it only on the source-sharding dims of ``G``, and
+each receives exactly what its target region lacks: the least any plan can receive.  The sending
+is shared by the replicas of the source (each replica serves the receivers that share its
+coordinates), not piled on the first of them.
+
+A *reducing* exchange (``red``: the source's Partial mesh dims inside ``G``) gives each receiver one
+term of every element of its target per coordinate on ``red``, each from the peer with that
+coordinate there and ``q``'s own everywhere else but the source-sharding dims: all the terms of an
+element come from ranks that share every coordinate but the reduced ones, so they are one complete
+set of terms of the Partial's contract, whatever the replicas of other mesh dims hold (they may
+hold different terms of the same value).
+
+Each rank builds only its own sends and receives (:func:`exchange_plan`: per tensor dim, the
+peers whose pieces overlap, found by chunk arithmetic), and the planner prices a candidate by the
+receiver that receives most (:func:`exchange_costs`): exactly, rank by rank, on meshes of up to
+:data:`EXACT_PRICING_RANKS` ranks; above that over the coordinate classes that can differ
+(:func:`representative_coords`).
 """
 
 from __future__ import annotations
@@ -22,14 +43,22 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Partial, Placement
 
-from dtshard.spec import Region, local_region, memo, placement_key
+from dtshard.spec import (Region, _merge, _pick, chunk_range, is_shard, is_strided, local_region, memo,
+                          placement_key, split_factor)
 
-__all__ = ["Box", "Region", "rank_box", "box_numel", "overlap_numel", "group_coords", "ExchangePlan", "exchange_plan",
-           "exchange_costs"]
+__all__ = ["Box", "Region", "rank_box", "box_numel", "overlap_numel", "group_coords", "group_index",
+           "group_member", "ExchangePlan", "exchange_plan", "exchange_costs", "exchange_feasible",
+           "representative_coords", "max_lacking", "EXACT_PRICING_RANKS"]
 
-Box = tuple[tuple[int, int], ...]  # (start, stop) per tensor dim: one atom
+Box = tuple[tuple[int, int], ...]  # (start, stop) per tensor dim
+
+#: meshes of up to this many ranks are priced rank by rank (cheap there, and exact); larger ones
+#: over representative coordinates (:func:`representative_coords`)
+EXACT_PRICING_RANKS = 64
+
+Levels = tuple[tuple[int, int], ...]  # ((mesh dim, split factor), ...) sharding one tensor dim
 
 
 def rank_box(shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement],
@@ -48,32 +77,39 @@ def box_numel(r: Region) -> int:
     return math.prod(sum(hi - lo for lo, hi in ivs) for ivs in r)
 
 
+def _ivs_len(ivs) -> int:
+    return sum(hi - lo for lo, hi in ivs)
+
+
+def _ivs_overlap(a, b) -> list[tuple[int, int]]:
+    """The pieces two sorted interval lists share, each inside one interval of both."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if lo < hi:
+            out.append((lo, hi))
+        if a[i][1] <= b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
 def overlap_numel(a: Region, b: Region) -> int:
     """Elements two regions share (per dim, the overlap of their interval lists)."""
     n = 1
     for ia, ib in zip(a, b):
-        m = 0
-        for lo, hi in ia:
-            for lo2, hi2 in ib:
-                m += max(0, min(hi, hi2) - max(lo, lo2))
+        m = sum(hi - lo for lo, hi in _ivs_overlap(ia, ib))
         if not m:
             return 0
         n *= m
     return n
 
 
-def _atom_numel(a: Box) -> int:
-    return math.prod(hi - lo for lo, hi in a)
-
-
-def _inside(a: Box, r: Region) -> bool:
-    """Is the atom ``a`` part of the region ``r``?  (An atom never straddles an interval edge.)"""
-    return all(any(lo <= alo and ahi <= hi for lo, hi in ivs) for (alo, ahi), ivs in zip(a, r))
-
-
 def group_coords(mesh_shape: Sequence[int], dims: Sequence[int], coord: Sequence[int]) -> list[tuple[int, ...]]:
     """The coordinates of the ranks that differ from ``coord`` only in ``dims``, in group order
-    (row-major over ``dims`` in mesh order: the order of a flattened process group)."""
+    (row-major over ``dims`` in mesh order: the order of a flattened process group).  Linear in
+    the group's size: for the code that must name every member (a new process group, split sizes)."""
     out = []
     for sub in itertools.product(*(range(mesh_shape[d]) for d in dims)):
         c = list(coord)
@@ -83,9 +119,164 @@ def group_coords(mesh_shape: Sequence[int], dims: Sequence[int], coord: Sequence
     return out
 
 
+def group_index(mesh_shape: Sequence[int], dims: Sequence[int], coord: Sequence[int]) -> int:
+    """The position of ``coord`` in its group over ``dims`` (:func:`group_coords`' order)."""
+    g = 0
+    for d in dims:
+        g = g * mesh_shape[d] + coord[d]
+    return g
+
+
+def group_member(mesh_shape: Sequence[int], dims: Sequence[int], coord: Sequence[int], g: int) -> tuple[int, ...]:
+    """The coordinates of member ``g`` of ``coord``'s group over ``dims``."""
+    c = list(coord)
+    for d in reversed(dims):
+        g, c[d] = divmod(g, mesh_shape[d])
+    return tuple(c)
+
+
+# ---------------------------------------------------------------------------------------------
+# one tensor dim at a time
+# ---------------------------------------------------------------------------------------------
+
+
+def _levels(placements: Sequence[Placement], ndim: int) -> tuple[Levels, ...]:
+    """Per tensor dim, the mesh dims that shard it, outermost first, with their split factors."""
+    out: list[list[tuple[int, int]]] = [[] for _ in range(ndim)]
+    for i, p in enumerate(placements):
+        if is_shard(p):
+            out[p.dim].append((i, split_factor(p) if is_strided(p) else 1))
+    return tuple(tuple(v) for v in out)
+
+
+def _cut(cur, n: int, c: int, parts: int):
+    """``spec.local_region``'s step for one tensor dim: chunk ``c`` of ``n`` of each of the
+    ``parts`` chunks of the current positions ``cur``."""
+    if parts == 1 and len(cur) == 1:
+        lo, hi = cur[0]
+        a, b = chunk_range(hi - lo, n, c)
+        return ((lo + a, lo + a + b),) if b else ()
+    total = _ivs_len(cur)
+    kept: list[tuple[int, int]] = []
+    for j in range(parts):
+        o, ln = chunk_range(total, parts, j)
+        a, b = chunk_range(ln, n, c)
+        kept.extend(_pick(cur, o + a, b))
+    return _merge(kept)
+
+
+def _dim_ivs(length: int, levels: Levels, mesh_shape, coord):
+    """Tensor dim's intervals at ``coord`` (only the coordinates of ``levels``' mesh dims are read)."""
+    cur = ((0, length),) if length else ()
+    for i, parts in levels:
+        cur = _cut(cur, mesh_shape[i], coord[i], parts)
+    return cur
+
+
+def _overlapping(length: int, levels: Levels, mesh_shape, coord, free, target):
+    """Every assignment of coordinates to the mesh dims in ``free`` (the others read from
+    ``coord``) under which this tensor dim's intervals overlap ``target``: a list of
+    ``(assignment, intervals)``, ``assignment`` a tuple of ``(mesh dim, coordinate)``.  Found by
+    walking the levels with chunk arithmetic (a free level visits only the chunks that meet the
+    target), so the cost follows the answer's size, not the number of ranks."""
+    if not target:
+        return []
+    out = [((), ((0, length),) if length else ())]
+    for i, parts in levels:
+        n = mesh_shape[i]
+        nxt = []
+        for assign, cur in out:
+            if i not in free:
+                child = _cut(cur, n, coord[i], parts)
+                if _ivs_overlap(child, target):
+                    nxt.append((assign, child))
+                continue
+            for c in _meeting_chunks(cur, n, parts, target):
+                child = _cut(cur, n, c, parts)
+                if _ivs_overlap(child, target):
+                    nxt.append((assign + ((i, c),), child))
+        out = nxt
+        if not out:
+            return []
+    # a free mesh dim that shards nothing here took no level: the caller adds its coordinates
+    return out
+
+
+def _meeting_chunks(cur, n: int, parts: int, target) -> range | list[int]:
+    """Chunk indices ``c`` of ``n`` whose piece of ``cur`` may meet ``target`` (a superset)."""
+    if parts != 1 or len(cur) != 1 or not target:
+        return range(n)
+    lo, hi = cur[0]
+    step = -(-(hi - lo) // n) if n else 0
+    if step == 0:
+        return range(0)
+    tlo = max(lo, target[0][0])
+    thi = min(hi, target[-1][1])
+    if tlo >= thi:
+        return range(0)
+    return range(min(n, (tlo - lo) // step), min(n, (thi - 1 - lo) // step + 1))
+
+
+def _length_classes(length: int, levels: Levels, mesh_shape, upto: int) -> set[int]:
+    """The lengths this tensor dim can have after its first ``upto`` levels, over every rank."""
+    lens = {length}
+    for i, parts in levels[:upto]:
+        n = mesh_shape[i]
+        lens = {_ivs_len(_cut(((0, ln),) if ln else (), n, c, parts)) for ln in lens
+                for c in _chunk_breaks(ln, n, parts)}
+    return lens
+
+
+def _chunk_breaks(length: int, n: int, parts: int) -> set[int]:
+    """Coordinates of a mesh dim of ``n`` that represent every chunk length class of a parent of
+    ``length`` (full chunks, the short one, the empty ones; per part of a strided shard)."""
+    out = {0, n - 1}
+    for j in range(parts):
+        ln = chunk_range(length, parts, j)[1]
+        if ln == 0:
+            continue
+        step = -(-ln // n)
+        b = ln // step  # first chunk that is not full
+        out.update(c for c in (b - 1, b, b + 1) if 0 <= c < n)
+    return out
+
+
+def representative_coords(mesh_shape: Sequence[int], shape: Sequence[int], layouts) -> list[list[int]]:
+    """Per mesh dim, the coordinates whose ranks represent every class a cost can tell apart, for
+    the given layouts (tuples of placements) of a tensor of ``shape``: every coordinate on a mesh
+    dim of up to 8; else the first three, the last three and, for every level the mesh dim has in
+    a layout, the coordinates where the chunk length changes (full, short, empty) for every
+    length the level's parent can have.  A mesh dim that shards nothing: coordinate 0."""
+    reps: list[set[int]] = [set() for _ in mesh_shape]
+    used = [False] * len(mesh_shape)
+    for placements in layouts:
+        for d, levels in enumerate(_levels(placements, len(shape))):
+            for k, (i, parts) in enumerate(levels):
+                used[i] = True
+                n = mesh_shape[i]
+                if n <= 8:
+                    continue
+                for ln in _length_classes(shape[d], levels, mesh_shape, k):
+                    reps[i].update(_chunk_breaks(ln, n, parts))
+    out = []
+    for i, n in enumerate(mesh_shape):
+        if not used[i]:
+            out.append([0])
+        elif n <= 8:
+            out.append(list(range(n)))
+        else:
+            out.append(sorted(reps[i] | {c for c in (0, 1, 2, n - 3, n - 2, n - 1) if 0 <= c < n}))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the exchange
+# ---------------------------------------------------------------------------------------------
+
+
 @dataclass(frozen=True)
 class Transfer:
-    """One atom moving from a sender's source shard to a receiver's target shard."""
+    """One box moving from a sender's source shard to a receiver's target shard."""
 
     src_slices: tuple[tuple[int, int], ...]  # (start, length) per dim, in the sender's local tensor
     dst_slices: tuple[tuple[int, int], ...]  # (start, length) per dim, in the receiver's local tensor
@@ -96,9 +287,10 @@ class Transfer:
 class ExchangePlan:
     """What ONE rank does in an exchange over its group (see the module docstring).
 
-    ``sends[g]`` / ``recvs[g]``: the atoms this rank sends to / receives from group member ``g``
-    (in a canonical order both sides share); ``keeps``: atoms copied from its own source shard.
+    ``sends[g]`` / ``recvs[g]``: the boxes this rank sends to / receives from group member ``g``
+    (in an order both sides derive alike); ``keeps``: boxes copied from its own source shard.
     ``any_traffic`` is the same for every member of the group (so all skip the collective or none).
+    ``sending`` / ``receiving``: the ``(member, transfers)`` pairs that are not empty, in group order.
     """
 
     group_index: int
@@ -108,36 +300,26 @@ class ExchangePlan:
     keeps: tuple[Transfer, ...]
     any_traffic: bool
     #: every member sends its WHOLE shard to every other member, and all shards have the same
-    #: number of elements: the exchange is an all_gather of the unpacked shards (no packing on
-    #: the send side), then the same per-atom copies.  ``src_shapes[g]``: member g's shard shape.
-    #: The same answer on every member (decided from every member's layout).
+    #: shape: the exchange is an all_gather of the unpacked shards (no packing on the send side),
+    #: then the same per-box copies.  ``src_shapes[g]``: member g's shard shape.  The same answer
+    #: on every member (decided from metadata the group shares).
     gather: bool = False
     src_shapes: tuple[tuple[int, ...], ...] = ()
 
+    def __post_init__(self):
+        # what every run reads, computed once (a group may have thousands of members)
+        object.__setattr__(self, "_sizes", ([sum(t.numel for t in ts) for ts in self.sends],
+                                            [sum(t.numel for t in ts) for ts in self.recvs]))
+        object.__setattr__(self, "sending", tuple((g, ts) for g, ts in enumerate(self.sends) if ts))
+        object.__setattr__(self, "receiving", tuple((g, ts) for g, ts in enumerate(self.recvs) if ts))
+
     def send_sizes(self) -> list[int]:
-        return [sum(t.numel for t in ts) for ts in self.sends]
+        """Elements sent to each member, in group order (a fresh list)."""
+        return list(self._sizes[0])
 
     def recv_sizes(self) -> list[int]:
-        return [sum(t.numel for t in ts) for ts in self.recvs]
-
-
-def _cuts(regions: list[Region], ndim: int) -> list[list[int]]:
-    cuts = []
-    for d in range(ndim):
-        pts = sorted({p for r in regions for iv in r[d] for p in iv})
-        cuts.append(pts)
-    return cuts
-
-
-def _atoms_of(region: Region, cuts: list[list[int]]) -> list[Box]:
-    per_dim = []
-    for d, ivs in enumerate(region):
-        pieces = []
-        for lo, hi in ivs:
-            pts = [p for p in cuts[d] if lo <= p <= hi]
-            pieces.extend((a, b) for a, b in zip(pts, pts[1:]) if b > a)
-        per_dim.append(pieces)
-    return [tuple(a) for a in itertools.product(*per_dim)]
+        """Elements received from each member, in group order (a fresh list)."""
+        return list(self._sizes[1])
 
 
 def _local_start(x: int, ivs) -> int:
@@ -150,105 +332,327 @@ def _local_start(x: int, ivs) -> int:
     raise AssertionError(f"index {x} not in {ivs}")
 
 
-def _slices(atom: Box, region: Region) -> tuple[tuple[int, int], ...]:
-    return tuple((_local_start(alo, ivs), ahi - alo) for (alo, ahi), ivs in zip(atom, region))
+def _transfers(src: Region, dst: Region) -> list[Transfer]:
+    """The boxes ``src`` and ``dst`` share, with their local positions on both sides (row-major
+    over the pieces of each dim, so sender and receiver list them alike)."""
+    per_dim = []
+    for a, b in zip(src, dst):
+        pieces = _ivs_overlap(a, b)
+        if not pieces:
+            return []
+        per_dim.append([((_local_start(lo, a), hi - lo), (_local_start(lo, b), hi - lo)) for lo, hi in pieces])
+    out = []
+    for combo in itertools.product(*per_dim):
+        out.append(Transfer(tuple(s for s, _ in combo), tuple(t for _, t in combo),
+                            math.prod(n for (_, n), _ in combo)))
+    return out
 
 
-def _group_assignment(shape, mesh_shape, src, dst, dims, coord, red=()):
-    """For the group of ``coord``: per member, its (source box, target box), and per receiver the
-    list of (atom, sender index); None when some needed atom is held by no member.
+def _is_prefix(a: Levels, b: Levels) -> bool:
+    return len(a) <= len(b) and b[:len(a)] == a
 
-    ``red``: Partial mesh dims (inside ``dims``) whose terms the exchange reduces: a receiver then
-    needs each atom once from EVERY value of the coordinates on ``red`` (one term each), so the
-    members are searched per such value; its own term of an atom it holds is one of them."""
-    members = group_coords(mesh_shape, dims, coord)
-    sboxes = [rank_box(shape, mesh_shape, src, c) for c in members]
-    tboxes = [rank_box(shape, mesh_shape, dst, c) for c in members]
-    cuts = _cuts(sboxes + tboxes, len(shape))
-    if red:  # the members that hold each term: one class per coordinate on the red dims
-        classes: dict = {}
-        for p, c in enumerate(members):
-            classes.setdefault(tuple(c[d] for d in red), []).append(p)
-        terms = list(classes.values())
-    else:
-        terms = [list(range(len(members)))]
-    needs = []
-    for q, tb in enumerate(tboxes):
-        got = []
-        if box_numel(tb):
-            for atom in _atoms_of(tb, cuts):
-                for holders in terms:
-                    if q in holders and _inside(atom, sboxes[q]):
-                        got.append((atom, q))
-                        continue
-                    p = next((p for p in holders if _inside(atom, sboxes[p])), None)
-                    if p is None:
-                        return None
-                    got.append((atom, p))
-        needs.append(got)
-    return members, sboxes, tboxes, needs
+
+def exchange_feasible(shape, mesh_shape, src, dst, dims: Sequence[int]) -> bool:
+    """Can every rank get its target region from the members of its group over ``dims`` (under
+    the rule of the module docstring)?  Per tensor dim: the source pieces the group's members hold
+    make up the piece their outer levels outside the group leave, when the group holds all of that
+    tensor dim's inner levels; the target must nest inside it (same outer levels).  Otherwise a
+    bounded exact check over the coordinates of that dim's levels, and beyond it "no" (a larger
+    group is then tried: the group of every non-Partial mesh dim always works)."""
+    key = ("feasible", tuple(shape), tuple(mesh_shape), tuple(placement_key(p) for p in src),
+           tuple(placement_key(p) for p in dst), tuple(dims))
+    return memo(_costs_cache, key, lambda: _feasible(tuple(shape), tuple(mesh_shape), tuple(src), tuple(dst),
+                                                     frozenset(dims)))
+
+
+_EXACT_CHECK_LIMIT = 4096
+
+
+def _feasible(shape, mesh_shape, src, dst, G) -> bool:
+    A, B = _levels(src, len(shape)), _levels(dst, len(shape))
+    for d, length in enumerate(shape):
+        a, b = A[d], B[d]
+        k = len(a)
+        while k and a[k - 1][0] in G:
+            k -= 1
+        if not any(i in G for i, _ in a[:k]) and _is_prefix(a[:k], b):
+            continue
+        if not _feasible_dim_by_enumeration(length, a, b, mesh_shape, G):
+            return False
+    return True
+
+
+def _feasible_dim_by_enumeration(length, a: Levels, b: Levels, mesh_shape, G) -> bool:
+    """Exactly, for one tensor dim: does every target piece lie in the union of the source pieces
+    of its group (or is it empty)?  Only when the coordinates involved are few."""
+    outside = sorted({i for i, _ in a if i not in G} | {i for i, _ in b})
+    inside = sorted({i for i, _ in a if i in G})
+    if math.prod(mesh_shape[i] for i in outside) * math.prod(mesh_shape[i] for i in inside) > _EXACT_CHECK_LIMIT:
+        return False
+    coord = [0] * len(mesh_shape)
+    for sub in itertools.product(*(range(mesh_shape[i]) for i in outside)):
+        for i, v in zip(outside, sub):
+            coord[i] = v
+        want = _dim_ivs(length, b, mesh_shape, coord)
+        if not want:
+            continue
+        have = 0
+        for sub2 in itertools.product(*(range(mesh_shape[i]) for i in inside)):
+            for i, v in zip(inside, sub2):
+                coord[i] = v
+            have += sum(hi - lo for lo, hi in _ivs_overlap(want, _dim_ivs(length, a, mesh_shape, coord)))
+        if have != _ivs_len(want):
+            return False
+    return True
+
+
+def _no_traffic(shape, src, dst, red) -> bool:
+    """No member of any group needs anything it does not hold (decided from metadata every rank
+    shares): nothing to reduce, and every target piece nests in the same rank's source piece."""
+    if 0 in shape:
+        return True
+    if red:
+        return False
+    A, B = _levels(src, len(shape)), _levels(dst, len(shape))
+    return all(_is_prefix(a, b) for a, b in zip(A, B))
+
+
+def _gather_shape(shape, mesh_shape, src, dst, dims, coord):
+    """The shard shape every member of ``coord``'s group holds when the exchange is an all_gather
+    (every member needs every other member's whole shard, and all shards have one non-empty
+    shape), else None.  Members share every fact read here."""
+    A, B = _levels(src, len(shape)), _levels(dst, len(shape))
+    G = set(dims)
+    if not G <= {i for a in A for i, _ in a}:
+        return None  # a replicated source dim in the group: its members hold the same data
+    out = []
+    for d, length in enumerate(shape):
+        a, b = A[d], B[d]
+        if any(i in G for i, _ in b) or not _is_prefix(b, a) or any(i in G for i, _ in a[:len(b)]):
+            return None
+        ln = length
+        for i, parts in a:
+            n = mesh_shape[i]
+            if i in G:
+                lens = [chunk_range(ln, parts, j)[1] for j in range(parts)]
+                if any(v % n for v in lens):
+                    return None
+                ln = sum(lens) // n
+            else:
+                ln = _ivs_len(_cut(((0, ln),) if ln else (), n, coord[i], parts))
+        if ln == 0:
+            return None
+        out.append(ln)
+    return tuple(out)
 
 
 def exchange_plan(shape, mesh_shape, src, dst, dims: Sequence[int], coord, red: Sequence[int] = ()) -> ExchangePlan | None:
     """This rank's part of the exchange from ``src`` to ``dst`` over the group of ``dims``; None
-    when the group does not hold everything its members need (use a larger group).  With ``red``
-    (Partial mesh dims of ``src`` inside ``dims``) it is a REDUCING exchange: every receiver gets
-    one term of each atom of its target per coordinate on ``red`` (its own among them, a keep) and
-    sums them; the same atom then appears in several transfers of the plan."""
-    got = _group_assignment(tuple(shape), tuple(mesh_shape), tuple(src), tuple(dst), tuple(dims), tuple(coord),
-                            tuple(red))
-    if got is None:
+    when :func:`exchange_feasible` says the group cannot do it alone.  With ``red`` (Partial mesh
+    dims of ``src`` inside ``dims``) it is a REDUCING exchange: every receiver gets one term of
+    each element of its target per coordinate on ``red`` (its own among them, a keep) and sums
+    them.  Costs the peers this rank exchanges with, not the ranks of the mesh."""
+    shape, mesh_shape, src, dst = tuple(shape), tuple(mesh_shape), tuple(src), tuple(dst)
+    dims, coord, red = tuple(sorted(dims)), tuple(coord), tuple(red)
+    if not exchange_feasible(shape, mesh_shape, src, dst, dims):
         return None
-    members, sboxes, tboxes, needs = got
-    me = members.index(tuple(coord))
-    sends = [[] for _ in members]
-    recvs = [[] for _ in members]
-    keeps = []
-    traffic = False
-    for q, lst in enumerate(needs):
-        for atom, p in lst:
-            if p != q:
-                traffic = True
-            if p != me and q != me:
-                continue
-            t = Transfer(_slices(atom, sboxes[p]), _slices(atom, tboxes[q]), _atom_numel(atom))
-            if p == q == me:
-                keeps.append(t)
-            elif p == me:
-                sends[q].append(t)
+    ndim = len(shape)
+    A, B = _levels(src, ndim), _levels(dst, ndim)
+    G = set(dims)
+    src_dims = sorted({i for a in A for i, _ in a if i in G})  # the source-sharding dims of the group
+    rep_dims = sorted(G - set(src_dims) - set(red))  # the group's replicated source dims
+    mine_s = tuple(_dim_ivs(shape[d], A[d], mesh_shape, coord) for d in range(ndim))
+    mine_t = tuple(_dim_ivs(shape[d], B[d], mesh_shape, coord) for d in range(ndim))
+    size = math.prod(mesh_shape[i] for i in dims)
+    me = group_index(mesh_shape, dims, coord)
+    dst_shape = tuple(_ivs_len(iv) for iv in mine_t)
+    sends: dict[int, list[Transfer]] = {}  # by group index; most members get nothing
+    recvs: dict[int, list[Transfer]] = {}
+    red_coords = list(itertools.product(*(range(mesh_shape[i]) for i in red)))
+
+    # what I receive: per tensor dim, the source pieces (over the group's source-sharding dims)
+    # that meet my target; each from the replica :func:`_replica` names, once per coordinate on
+    # ``red``
+    per_dim = [_overlapping(shape[d], A[d], mesh_shape, coord, src_dims, mine_t[d]) for d in range(ndim)]
+    keeps: list[Transfer] = []
+    got = 0
+    for combo in itertools.product(*per_dim):
+        peer = list(coord)
+        for assign, _ in combo:
+            for i, c in assign:
+                peer[i] = c
+        _replica(peer, coord, src_dims, rep_dims, mesh_shape)
+        boxes = _transfers(tuple(ivs for _, ivs in combo), mine_t)
+        n = sum(t.numel for t in boxes)
+        for rc in red_coords:
+            for i, c in zip(red, rc):
+                peer[i] = c
+            got += n
+            if tuple(peer) == coord:
+                keeps.extend(boxes)
             else:
-                recvs[p].append(t)
-    dst_shape = tuple(sum(hi - lo for lo, hi in ivs) for ivs in tboxes[me])
-    src_numel = [box_numel(b) for b in sboxes]
-    gather = not red and traffic and len(set(src_numel)) == 1 and src_numel[0] > 0 and all(
-        sum(_atom_numel(a) for a, p in needs[q] if p == r) == src_numel[r]
-        for q in range(len(members)) for r in range(len(members)) if r != q)
-    src_shapes = tuple(tuple(sum(hi - lo for lo, hi in ivs) for ivs in b) for b in sboxes)
-    return ExchangePlan(me, dst_shape, tuple(map(tuple, sends)), tuple(map(tuple, recvs)), tuple(keeps), traffic,
-                        gather, src_shapes)
+                recvs.setdefault(group_index(mesh_shape, dims, peer), []).extend(boxes)
+    if got != math.prod(dst_shape) * len(red_coords):
+        raise AssertionError(
+            f"dtshard internal error: the exchange {src} -> {dst} over mesh dims {dims} of mesh {mesh_shape} "
+            f"(tensor {shape}) covers {got} of the {math.prod(dst_shape) * len(red_coords)} elements rank "
+            f"{coord} needs; please report it")
+
+    # what I send: the receivers whose target pieces meet my source and who take that piece from
+    # me (:func:`_replica` run backwards); a group dim that shards nothing in the target sends to
+    # every coordinate there (a replicated source dim: to the one coordinate the rule gives)
+    # (with no source-sharding dim in the group the shift is 0: a receiver shares my replicated
+    # coordinates, which then need no search)
+    vary = set(src_dims) | set(red) | (set(rep_dims) if src_dims else set())
+    per_dim = [_overlapping(shape[d], B[d], mesh_shape, coord, vary, mine_s[d]) for d in range(ndim)]
+    in_dst = {i for b in B for i, _ in b}
+    loose = sorted((set(src_dims) | set(red)) - in_dst)
+    for combo in itertools.product(*per_dim):
+        peer = list(coord)
+        for assign, _ in combo:
+            for i, c in assign:
+                peer[i] = c
+        boxes = _transfers(mine_s, tuple(ivs for _, ivs in combo))
+        if not boxes:
+            continue
+        for sub in itertools.product(*(range(mesh_shape[i]) for i in loose)):
+            for i, c in zip(loose, sub):
+                peer[i] = c
+            # I serve this receiver only if the rule names me for my piece: its replicated
+            # coordinates, shifted by how far its source coordinates are from mine, are mine
+            shift = sum(peer[k] - coord[k] for k in src_dims)
+            ok = True
+            for i in rep_dims:
+                want = (coord[i] - shift) % mesh_shape[i]
+                if i in in_dst:
+                    ok = ok and peer[i] == want
+                else:
+                    peer[i] = want
+            if ok and tuple(peer) != coord:
+                sends.setdefault(group_index(mesh_shape, dims, peer), []).extend(boxes)
+
+    traffic = not _no_traffic(shape, src, dst, red)
+    gshape = None if red or not traffic else _gather_shape(shape, mesh_shape, src, dst, dims, coord)
+    return ExchangePlan(me, dst_shape, _dense(sends, size), _dense(recvs, size), tuple(keeps), traffic,
+                        gshape is not None, (gshape,) * size if gshape is not None else ())
+
+
+def _dense(by_member: dict, size: int) -> tuple:
+    """Per group member, in group order, its transfers (one shared empty tuple for the many that
+    have none: no object per member)."""
+    empty = ()
+    return tuple(tuple(by_member[g]) if g in by_member else empty for g in range(size))
+
+
+def _replica(peer: list, receiver, src_dims, rep_dims, mesh_shape) -> None:
+    """Set ``peer``'s coordinates on the group's replicated source dims: which replica of the
+    source piece ``peer`` names (its coordinates on ``src_dims``) sends it to ``receiver``.  The
+    receiver's own coordinate there, shifted by how far the piece's coordinates are from the
+    receiver's: every replica serves its share of the receivers (the receiver's own coordinate
+    alone would make the replicas on the diagonal send everything when the target shards those
+    very dims, e.g. ``(S0, S1, R) -> (S0, R, S1)``), and one receiver takes all the terms of an
+    element from one replica (the same shift for every term)."""
+    shift = sum(receiver[k] - peer[k] for k in src_dims)
+    for i in rep_dims:
+        peer[i] = (receiver[i] + shift) % mesh_shape[i]
+
+
+# ---------------------------------------------------------------------------------------------
+# pricing
+# ---------------------------------------------------------------------------------------------
 
 
 def exchange_costs(shape, mesh_shape, src, dst, dims: Sequence[int], red: Sequence[int] = ()) -> tuple[int, ...] | None:
-    """Elements each rank (by mesh coordinate, row-major) receives in the exchange over ``dims``
-    (reducing the Partial mesh dims ``red``, see :func:`exchange_plan`; the same answer on every
-    rank: computed for every group of the mesh); None if some group cannot do it alone."""
+    """Elements received in the exchange over ``dims`` (reducing the Partial mesh dims ``red``,
+    see :func:`exchange_plan`): on a mesh of up to :data:`EXACT_PRICING_RANKS` ranks, by every
+    rank (mesh coordinates in row-major order); above it, a 1-tuple, what the rank that receives
+    most receives, over :func:`representative_coords`.  The same answer on every rank; None if
+    some group cannot do it alone.  A receiver gets its whole target once per coordinate on
+    ``red`` but for what it holds: ``|red| * |target| - |target & source|``."""
     key = (tuple(shape), tuple(mesh_shape), tuple(placement_key(p) for p in src),
            tuple(placement_key(p) for p in dst), tuple(dims), tuple(red))
-    return memo(_costs_cache, key, lambda: _exchange_costs(shape, mesh_shape, src, dst, dims, tuple(red)))
+    return memo(_costs_cache, key, lambda: _exchange_costs(tuple(shape), tuple(mesh_shape), tuple(src), tuple(dst),
+                                                          tuple(dims), tuple(red)))
 
 
-def _exchange_costs(shape, mesh_shape, src, dst, dims, red=()):
-    got_by_coord = {}
-    others = [d for d in range(len(mesh_shape)) if d not in dims]
-    for outer in itertools.product(*(range(mesh_shape[d]) for d in others)):
+def _exchange_costs(shape, mesh_shape, src, dst, dims, red):
+    if not exchange_feasible(shape, mesh_shape, src, dst, dims):
+        return None
+    k = math.prod(mesh_shape[i] for i in red)
+    return per_rank_or_max(shape, mesh_shape, src, dst, lambda t, o: k * t - o)
+
+
+def max_lacking(shape, mesh_shape, src, dst, reduce: bool) -> int:
+    """The most elements of its target region any rank lacks in its source region (all of its
+    target when a Partial must be reduced: it holds a term only): the transition's lower bound."""
+    got = per_rank_or_max(shape, mesh_shape, src, dst, (lambda t, o: t) if reduce else (lambda t, o: t - o))
+    return max(got) if got else 0
+
+
+def per_rank_or_max(shape, mesh_shape, src, dst, f) -> tuple[int, ...]:
+    """``f(|target|, |target & source|)`` for every rank (row-major) on meshes of up to
+    :data:`EXACT_PRICING_RANKS` ranks, else ``(max over representative ranks,)``.
+
+    The representative ranks: per group of tensor dims that share mesh dims (a mesh dim may shard
+    one tensor dim in the source and another in the target), the coordinates of
+    :func:`representative_coords` on those mesh dims, each giving that group's factors of both
+    sizes; the maximum runs over their combinations (a few dozen), never over the ranks."""
+    shape, mesh_shape = tuple(shape), tuple(mesh_shape)
+    ndim = len(shape)
+    A, B = _levels(src, ndim), _levels(dst, ndim)
+    if math.prod(mesh_shape) <= EXACT_PRICING_RANKS:
+        out = []
+        for c in itertools.product(*(range(n) for n in mesh_shape)):
+            t = o = 1
+            for d in range(ndim):
+                ti = _dim_ivs(shape[d], B[d], mesh_shape, c)
+                t *= _ivs_len(ti)
+                if o:
+                    o *= sum(hi - lo for lo, hi in _ivs_overlap(ti, _dim_ivs(shape[d], A[d], mesh_shape, c)))
+            out.append(f(t, o))
+        return tuple(out)
+    reps = representative_coords(mesh_shape, shape, (src, dst))
+    # union-find of tensor dims through the mesh dims their levels use
+    owner: dict[int, int] = {}
+    parent = list(range(ndim))
+
+    def find(x):
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for d in range(ndim):
+        for i, _ in A[d] + B[d]:
+            if i in owner:
+                parent[find(d)] = find(owner[i])
+            else:
+                owner[i] = d
+    comps: dict[int, list[int]] = {}
+    for d in range(ndim):
+        comps.setdefault(find(d), []).append(d)
+    factor_sets = []
+    for ds in comps.values():
+        mdims = sorted({i for d in ds for i, _ in A[d] + B[d]})
+        pairs = set()
         coord = [0] * len(mesh_shape)
-        for d, v in zip(others, outer):
-            coord[d] = v
-        got = _group_assignment(tuple(shape), tuple(mesh_shape), tuple(src), tuple(dst), tuple(dims), tuple(coord),
-                                red)
-        if got is None:
-            return None
-        members, _, _, needs = got
-        for q, lst in enumerate(needs):
-            got_by_coord[members[q]] = sum(_atom_numel(a) for a, p in lst if p != q)
-    return tuple(got_by_coord[c] for c in itertools.product(*(range(n) for n in mesh_shape)))
+        for sub in itertools.product(*(reps[i] for i in mdims)):
+            for i, v in zip(mdims, sub):
+                coord[i] = v
+            t = o = 1
+            for d in ds:
+                ti = _dim_ivs(shape[d], B[d], mesh_shape, coord)
+                t *= _ivs_len(ti)
+                if o:
+                    o *= sum(hi - lo for lo, hi in _ivs_overlap(ti, _dim_ivs(shape[d], A[d], mesh_shape, coord)))
+            pairs.add((t, o))
+        # keep the pairs no other pair beats on both counts (larger target, smaller overlap)
+        front = [p for p in pairs if not any(q != p and q[0] >= p[0] and q[1] <= p[1] for q in pairs)]
+        factor_sets.append(front)
+    best = None
+    for combo in itertools.product(*factor_sets):
+        t = math.prod(p[0] for p in combo)
+        o = math.prod(p[1] for p in combo)
+        v = f(t, o)
+        best = v if best is None or v > best else best
+    return (best if best is not None else f(1, 1),)

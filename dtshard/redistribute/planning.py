@@ -67,13 +67,18 @@ class GroupStep:
     ``all_gather``: Shard(d) on the innermost mesh dims sharding d -> Replicate on them, as one
     all_gather (one latency instead of one per mesh dim).
     ``cost``: bytes received by the rank that receives most (the same number on every rank).
+    Which rank sends what in an exchange, and why every Partial term it sums belongs to one
+    complete set of terms, is ``dtshard.layout``'s rule.
     """
 
     mesh_dims: tuple[int, ...]
     src: tuple[Placement, ...]
     dst: tuple[Placement, ...]
     kind: str
-    costs: tuple[float, ...]  # bytes each rank receives, by mesh coordinate (row-major)
+    #: bytes each rank receives, by mesh coordinate (row-major), on meshes of up to
+    #: ``layout.EXACT_PRICING_RANKS`` ranks; above that a 1-tuple: what the rank that receives
+    #: most receives (``layout.exchange_costs``), so no step carries a number per rank
+    costs: tuple[float, ...]
 
     @property
     def cost(self) -> float:
@@ -283,15 +288,21 @@ def _dijkstra_search(shape, mesh_shape, itemsize, src: tuple, dst: tuple) -> tup
 
 
 def _steps_cost(spec: DTensorSpec, steps) -> float:
-    """Bytes received by the rank that receives most over the whole plan (group steps know
-    each rank's share; a single-mesh-dim step is priced by its largest shard, for every rank)."""
+    """Bytes received by the rank that receives most over the whole plan.  Group steps price each
+    rank on small meshes (``costs`` by mesh coordinate; the plan's group steps then add up rank by
+    rank) and the rank that receives most on large ones (a 1-tuple; the plan then adds up those
+    maxima, a bound that never undercounts); a single-mesh-dim step is priced by its largest
+    shard, for every rank."""
     flat = 0.0
     per_rank = None
     state = list(spec.placements)
     itemsize = _itemsize(spec.dtype)
     for s in steps:
         if isinstance(s, GroupStep):
-            per_rank = list(s.costs) if per_rank is None else [a + b for a, b in zip(per_rank, s.costs)]
+            if len(s.costs) == 1 or (per_rank is not None and len(per_rank) != len(s.costs)):
+                flat += max(s.costs)
+            else:
+                per_rank = list(s.costs) if per_rank is None else [a + b for a, b in zip(per_rank, s.costs)]
             state = list(s.dst)
         else:
             flat += _step_cost(spec.shape, spec.mesh_shape, tuple(state), s.mesh_dim, s.dst, itemsize)
@@ -300,7 +311,14 @@ def _steps_cost(spec: DTensorSpec, steps) -> float:
 
 
 def all_coords(mesh_shape) -> list[tuple[int, ...]]:
+    """Every coordinate of the mesh: for tests and small meshes only (never on a path whose cost
+    must not grow with the ranks)."""
     return list(itertools.product(*(range(n) for n in mesh_shape)))
+
+
+def _exact_pricing(mesh_shape) -> bool:
+    """Group steps price every rank on meshes this small (see ``layout.EXACT_PRICING_RANKS``)."""
+    return math.prod(mesh_shape) <= L.EXACT_PRICING_RANKS
 
 
 def _any_strided(*states) -> bool:
@@ -325,12 +343,20 @@ def _best_plan(spec: DTensorSpec, src: tuple, dst: tuple) -> tuple:
             f"for a tensor of shape {tuple(spec.shape)} on a mesh of shape {tuple(spec.mesh_shape)}")
     costs = [_steps_cost(spec, c) for c in cands]
     least = min(costs)
-    # among the plans that receive the least bytes: the fewest collectives (latencies), then the
-    # fewest exchanges (their per-atom packing costs more CPU than a plain collective's), then the
-    # first found (single-mesh-dim steps first)
+    # among the plans that receive the least bytes: no flattened group of several mesh dims (each
+    # is a communicator of its own, costly at thousands of ranks: one is created only where a step
+    # over it receives strictly less), then the fewest collectives (latencies), then the fewest
+    # exchanges (their per-box packing costs more CPU than a plain collective's), then the first
+    # found (single-mesh-dim steps first)
     tied = [k for k, c in enumerate(costs) if c <= least * (1 + 1e-6) + 1.0]
-    k = min(tied, key=lambda k: (_n_collectives(cands[k]), sum(s.kind in ("exchange", "reduce_exchange") for s in cands[k]), k))
+    k = min(tied, key=lambda k: (_flattens(cands[k]), _n_collectives(cands[k]),
+                                 sum(s.kind in ("exchange", "reduce_exchange") for s in cands[k]), k))
     return cands[k]
+
+
+def _flattens(steps) -> bool:
+    """Does the plan run a collective over a flattened group of several mesh dims?"""
+    return any(isinstance(s, GroupStep) and len(s.mesh_dims) > 1 and s.kind not in ("slice", "zero") for s in steps)
 
 
 def _n_collectives(steps) -> int:
@@ -403,12 +429,14 @@ def _gather_plans(spec: DTensorSpec, src: tuple, dst: tuple) -> list[tuple]:
 
 def _flat_gather_costs(spec: DTensorSpec, src: tuple, group: tuple) -> tuple[float, ...]:
     """Bytes each rank receives in a flattened all_gather: the k-1 other pieces, each padded to
-    the group's largest (the same padding the collective moves)."""
+    the group's largest (the same padding the collective moves).  The largest piece of any group
+    is the mesh's largest shard, at coordinate 0 (chunk 0 is the largest at every level), so on
+    large meshes that is the price, with no walk over the ranks."""
     itemsize = _itemsize(spec.dtype)
     shape, mesh_shape = spec.shape, spec.mesh_shape
-    k = 1
-    for i in group:
-        k *= mesh_shape[i]
+    k = math.prod(mesh_shape[i] for i in group)
+    if not _exact_pricing(mesh_shape):
+        return ((k - 1) * L.box_numel(L.rank_box(shape, mesh_shape, src, (0,) * len(mesh_shape))) * itemsize,)
     costs = []
     for c in all_coords(mesh_shape):
         largest = max(L.box_numel(L.rank_box(shape, mesh_shape, src, m)) for m in L.group_coords(mesh_shape, group, c))
@@ -419,10 +447,11 @@ def _flat_gather_costs(spec: DTensorSpec, src: tuple, group: tuple) -> tuple[flo
 def _reductions(spec: DTensorSpec, src: tuple, red: tuple):
     """(state after, GroupStep) for one reduction of the Partial dims ``red`` (flattened): an
     all_reduce to Replicate, or a reduce_scatter onto each tensor dim it may legally shard.  Sums
-    and averages mix (a sum over the group, scaled by 1/size of the averaged dims)."""
+    and averages mix (a sum over the group, scaled by 1/size of the averaged dims).  Priced rank
+    by rank on small meshes, by the largest shard (coordinate 0) on large ones."""
     itemsize = _itemsize(spec.dtype)
     shape, mesh_shape = spec.shape, spec.mesh_shape
-    coords = all_coords(mesh_shape)
+    coords = all_coords(mesh_shape) if _exact_pricing(mesh_shape) else [(0,) * len(mesh_shape)]
     k = 1
     for i in red:
         k *= mesh_shape[i]
@@ -565,14 +594,7 @@ _bound_cache: dict[tuple, float] = {}
 def _lower_bound(shape, mesh_shape, src: tuple, dst: tuple) -> int:
     # a Partial source dim not kept (the same reduction) in the target: the rank holds only a term
     reduce = any(_kind(p) == "P" and not placement_equal(p, dst[i]) for i, p in enumerate(src))
-    need = 0
-    for c in all_coords(mesh_shape):
-        want = L.rank_box(shape, mesh_shape, dst, c)  # Partial counts as the whole extent
-        n = L.box_numel(want)
-        if n and not reduce:
-            n -= L.overlap_numel(want, L.rank_box(shape, mesh_shape, src, c))
-        need = max(need, n)
-    return need
+    return L.max_lacking(shape, mesh_shape, src, dst, reduce)
 
 
 def plan_text(spec: DTensorSpec, dst: Sequence[Placement]) -> str:

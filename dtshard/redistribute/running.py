@@ -160,8 +160,7 @@ def _run_group_step(x: torch.Tensor, spec: DTensorSpec, step: GroupStep, coord) 
             out = C.all_reduce(x, op, spec.mesh, dims)
         else:
             d = step.dst[dims[0]].dim
-            sizes = [local_shape(spec.shape, spec.mesh_shape, step.dst, c)[d]
-                     for c in L.group_coords(spec.mesh_shape, dims, coord)]
+            sizes = _group_lengths(spec, step.dst, dims, coord, d)
             out = _reduce_scatter_sizes(x, spec, dims, C.group_rank(spec.mesh, dims), op, d, sizes)
         if len(ops) > 0:  # mixed: divide by the size of the averaged dims
             n_avg = 1
@@ -179,14 +178,30 @@ def _run_group_step(x: torch.Tensor, spec: DTensorSpec, step: GroupStep, coord) 
     raise AssertionError(f"unknown group step kind {step.kind}")
 
 
+_lengths: dict = {}
+
+
+def _group_lengths(spec: DTensorSpec, placements, dims, coord, d) -> list[int]:
+    """Tensor dim ``d``'s local length on each member of ``coord``'s group over ``dims`` (the
+    split sizes of a flattened collective), computed once per layout: a group may have
+    thousands of members, and a cached call must not walk them again."""
+    key = (spec.shape, spec.mesh_shape, tuple(placements), dims, coord, d)
+    hit = _lengths.get(key)
+    if hit is None:
+        if len(_lengths) >= 4096:
+            _lengths.clear()
+        hit = _lengths[key] = [local_shape(spec.shape, spec.mesh_shape, placements, c)[d]
+                               for c in L.group_coords(spec.mesh_shape, dims, coord)]
+    return hit
+
+
 def _flat_all_gather(x: torch.Tensor, spec: DTensorSpec, step: GroupStep, coord) -> torch.Tensor:
     """All-gather tensor dim ``d`` over the flattened group of the mesh dims that shard it last:
     group rank order is the nesting order of their chunks, so the pieces, padded to the largest,
     concatenate (unpadded) into the parent chunk."""
     dims = step.mesh_dims
     d = step.src[dims[0]].dim
-    sizes = [local_shape(spec.shape, spec.mesh_shape, step.src, c)[d]
-             for c in L.group_coords(spec.mesh_shape, dims, coord)]
+    sizes = _group_lengths(spec, step.src, dims, coord, d)
     block = max(sizes)
     if block == 0 or numel_except(x.shape, d) == 0:
         return x.new_zeros(with_length(x.shape, d, sum(sizes)))
@@ -205,7 +220,13 @@ def _flat_all_gather(x: torch.Tensor, spec: DTensorSpec, step: GroupStep, coord)
     return copied("unpack", K.unpack(gathered, d, sizes))
 
 
-_exchange_plans: dict = {}
+_exchange_plans: dict = {}  # (layout, step, coordinate) -> this rank's ExchangePlan
+
+
+def _bound(cache: dict, limit: int = 512) -> None:
+    """Empty a full cache before the next entry (an ExchangePlan holds a slot per group member)."""
+    if len(cache) >= limit:
+        cache.clear()
 
 
 def _exchange(x: torch.Tensor, spec: DTensorSpec, step: GroupStep, coord) -> torch.Tensor:
@@ -214,6 +235,7 @@ def _exchange(x: torch.Tensor, spec: DTensorSpec, step: GroupStep, coord) -> tor
     key = (spec.shape, spec.mesh_shape, step.src, step.dst, step.mesh_dims, coord)
     ep = _exchange_plans.get(key)
     if ep is None:
+        _bound(_exchange_plans)
         ep = _exchange_plans[key] = L.exchange_plan(spec.shape, spec.mesh_shape, step.src, step.dst,
                                                     step.mesh_dims, coord)
     out = x.new_empty(ep.dst_shape)
@@ -225,17 +247,16 @@ def _exchange(x: torch.Tensor, spec: DTensorSpec, step: GroupStep, coord) -> tor
         # every member needs every other member's whole shard (a strided gather): one all_gather
         # of the shards as they are, then each member's atoms copied out of its shard
         gathered = C.all_gather(x.contiguous().reshape(-1), spec.mesh, step.mesh_dims).view(len(ep.recvs), -1)
-        for g, ts in enumerate(ep.recvs):
-            if ts:
-                shard = gathered[g].view(ep.src_shapes[g])
-                for t in ts:
-                    region(out, t.dst_slices).copy_(region(shard, t.src_slices))
+        for g, ts in ep.receiving:
+            shard = gathered[g].view(ep.src_shapes[g])
+            for t in ts:
+                region(out, t.dst_slices).copy_(region(shard, t.src_slices))
         return out
-    pieces = [region(x, t.src_slices).reshape(-1) for ts in ep.sends for t in ts]
+    pieces = [region(x, t.src_slices).reshape(-1) for _, ts in ep.sending for t in ts]
     send = torch.cat(pieces) if pieces else x.new_empty(0)
     recv = C.all_to_all(send, ep.recv_sizes(), ep.send_sizes(), spec.mesh, step.mesh_dims)
     off = 0
-    for ts in ep.recvs:
+    for _, ts in ep.receiving:
         for t in ts:
             region(out, t.dst_slices).copy_(recv[off:off + t.numel].view([n for _, n in t.dst_slices]))
             off += t.numel
@@ -253,8 +274,8 @@ def _reduce_exchange(x: torch.Tensor, spec: DTensorSpec, step: GroupStep, coord)
     key = (spec.shape, spec.mesh_shape, step.src, step.dst, dims, coord, red)
     ep = _exchange_plans.get(key)
     if ep is None:
+        _bound(_exchange_plans)
         ep = _exchange_plans[key] = L.exchange_plan(spec.shape, spec.mesh_shape, step.src, step.dst, dims, coord, red)
-    members = L.group_coords(spec.mesh_shape, dims, coord)
     red_shape = [spec.mesh_shape[i] for i in red]
 
     def term(c) -> int:  # row-major index of a member's coordinates on the reduced dims
@@ -269,12 +290,12 @@ def _reduce_exchange(x: torch.Tensor, spec: DTensorSpec, step: GroupStep, coord)
         region(mine, t.dst_slices).copy_(region(x, t.src_slices))
     unread = None
     if ep.any_traffic:
-        pieces = [region(x, t.src_slices).reshape(-1) for ts in ep.sends for t in ts]
+        pieces = [region(x, t.src_slices).reshape(-1) for _, ts in ep.sending for t in ts]
         send = torch.cat(pieces) if pieces else x.new_empty(0)
         recv = C.all_to_all(send, ep.recv_sizes(), ep.send_sizes(), spec.mesh, dims)
         off = 0
-        for g, ts in enumerate(ep.recvs):
-            slot = terms[term(members[g])]
+        for g, ts in ep.receiving:
+            slot = terms[term(L.group_member(spec.mesh_shape, dims, coord, g))]
             for t in ts:
                 region(slot, t.dst_slices).copy_(recv[off:off + t.numel].view([n for _, n in t.dst_slices]))
                 off += t.numel

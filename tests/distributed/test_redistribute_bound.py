@@ -17,6 +17,9 @@ arithmetic, not dtshard's planner or layout code):
   after which it holds the whole reduced shard); the cheapest of these, plus what the rank then
   still lacks.
 
+Partial sources hold terms that differ between the replicas of the other mesh dims (``_terms``'
+``key``): a plan that sums one replica's terms with another's is caught.
+
 Exhaustive on a 2x2 mesh (2-D tensors: 7 placements per mesh dim, 2401 transitions) for three
 shapes (even, uneven, with empty shards); sampled on 2x3, 2x4 and 2x2x2.  Partial sources that
 mix a linear reduction (sum/avg) with max or min are left out: reducing them in a different order
@@ -112,27 +115,31 @@ def minimum_received(shape, mesh_shape, src, dst) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
-def _terms(v, op, n, c):
-    """Rank c's term of value v for Partial(op) over n ranks (exact in float64)."""
-    u = torch.ones_like(v) * 3.0
+def _terms(v, op, n, c, key=0.0):
+    """Rank c's term of value v for Partial(op) over n ranks (exact in float64).  ``key`` (>= 0)
+    comes from the rank's coordinates on the mesh dims that are not Partial: the replicas of
+    another mesh dim hold DIFFERENT terms of the same value, as the placement allows (and as
+    ``from_local`` of per-rank values, or any rank-dependent computation, produces)."""
+    u = torch.ones_like(v) * (3.0 + key)
     if op == "sum":
         return v - (n - 1) * u if c == 0 else u
     if op == "avg":
         return v + (n - 1) * u if c == 0 else v - u
     if op == "max":
-        return v if c == 0 else v - 1.0 - c
-    return v if c == 0 else v + 1.0 + c  # min
+        return v if c == 0 else v - 1.0 - c - key
+    return v if c == 0 else v + 1.0 + c + key  # min
 
 
-def _local_source(x, mesh_shape, src, coord):
+def _local_source(x, mesh_shape, src, coord, per_replica=True):
     box = _box(tuple(x.shape), mesh_shape, src, coord)
     v = x
     for d, (a, b) in enumerate(box):
         v = v.narrow(d, a, b - a)
     v = v.clone()
+    key = sum(0.75 * (m + 1) * coord[m] for m, p in enumerate(src) if not isinstance(p, Partial)) if per_replica else 0.0
     for m, p in enumerate(src):
         if isinstance(p, Partial):
-            v = _terms(v, p.reduce_op, mesh_shape[m], coord[m])
+            v = _terms(v, p.reduce_op, mesh_shape[m], coord[m], key)
     return v
 
 
@@ -177,7 +184,11 @@ def _run(mesh_shape, shape, transitions, plans):
     x = _global(shape)
     out = []
     for src, dst in transitions:
-        d = dtshard.DTensor.from_local(_local_source(x, mesh_shape, src, coord), mesh, src, shape=shape)
+        # a target that mixes a sum or average with a max or min has one meaning only when the
+        # replicas hold the same terms (reduced in another order, different terms give another
+        # value): those keep equal terms; every other transition gets per-replica terms
+        d = dtshard.DTensor.from_local(_local_source(x, mesh_shape, src, coord, _well_defined(dst)), mesh, src,
+                                       shape=shape)
         with dtshard.debug.CommCounter() as comm:
             y = d.redistribute(mesh, dst)
         problem = ""
@@ -277,18 +288,26 @@ def _flattened_gathers():
         d = dtshard.distribute_tensor(x, mesh, [Shard(0), Shard(0)])
         with dtshard.debug.CommCounter() as comm:
             y = d.redistribute(mesh, [Replicate(), Replicate()])
+        p = dtshard.DTensor.from_local(x * (mesh.get_coordinate()[0] + 1) / 3, mesh, [Partial(), Partial()])
+        with dtshard.debug.CommCounter() as comm2:
+            z = p.redistribute(mesh, [Replicate(), Replicate()])
         out.append((shape, torch.equal(y.full_tensor(), x) and torch.equal(y.to_local(), x),
-                    [(r.kind, r.mesh_dim) for r in comm.records]))
+                    [(r.kind, r.mesh_dim) for r in comm.records],
+                    torch.allclose(z.to_local(), x * 2), [(r.kind, r.mesh_dim) for r in comm2.records]))
     return out
 
 
-def test_nested_shards_gather_in_one_flattened_all_gather():
-    """(S0, S0) -> (R, R): one all_gather over the flattened 2x2 group (one latency), not two;
-    uneven layouts whose padding sits at the end too (7 rows: pieces 2, 2, 2, 1)."""
+def test_flattened_groups_only_where_they_receive_less():
+    """A flattened group of several mesh dims is a communicator of its own (costly at thousands of
+    ranks): dtshard runs a step over one only where it receives strictly less than per-mesh-dim
+    steps (issue #53).  ``(S0, S0) -> (R, R)``: two all_gathers receive what one flattened one
+    does, so one per mesh dim (inner first); ``(P, P) -> (R, R)``: one all_reduce over the
+    flattened group receives 1.5x the shard, two of them 2x, so the flattened one."""
     for rank in run_distributed(_flattened_gathers, 4):
-        for shape, ok, records in rank:
-            assert ok, shape
-            assert records == [("all_gather", (0, 1))], (shape, records)
+        for shape, ok, records, ok2, records2 in rank:
+            assert ok and ok2, shape
+            assert records == [("all_gather", 1), ("all_gather", 0)], (shape, records)
+            assert records2 == [("all_reduce", (0, 1))], (shape, records2)
 
 
 def test_value_check_catches_wrong_terms():

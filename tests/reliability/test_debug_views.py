@@ -47,7 +47,9 @@ rank  coord     indices
    1  (0, 1)    0:3  (partial term)
    2  (1, 0)    0:3  (partial term)
    3  (1, 1)    0:3  (partial term)""")
-        self.assertExpectedInline(summary, """<redistribute>: all_to_all x1 on mesh dims 0x1 (flattened), 48 bytes""")
+        self.assertExpectedInline(summary, """\
+<redistribute>: all_gather x1 on mesh dim 0, 48 bytes
+<redistribute>: all_to_all x1 on mesh dim 1, 32 bytes""")
         assert drawn > 1000  # a PNG was drawn
 
 
