@@ -333,3 +333,21 @@ def test_value_check_catches_wrong_terms():
     moved = dict(good)
     moved[(0, 0)], moved[(0, 1)] = good[(0, 1)], good[(0, 0)]
     assert _value_problem(x, mesh_shape, dst, moved) == "wrong values"
+
+
+@pytest.mark.parametrize("mesh_shape,shape,transitions", [
+    ((2, 3), (9,), [((Replicate(), Partial("sum")), (Shard(0), Shard(0))),
+                    ((Replicate(), Partial("avg")), (Shard(0), Shard(0)))]),
+    ((2, 2), (4, 6), [((Replicate(), Partial("sum")), (Shard(1), Shard(0))),
+                      ((Replicate(), Partial("avg")), (Shard(1), Shard(0)))]),
+    ((2, 2), (3,), [((Partial("avg"), Shard(0)), (Shard(0), Shard(0)))]),
+    ((2, 4), (9, 6), [((Partial("sum"), Shard(0)), (Shard(0), Shard(0)))]),
+    ((2, 2, 2), (9, 10), [((Replicate(), Shard(1), Partial("sum")), (Shard(1), Shard(0), Replicate())),
+                          ((Replicate(), Replicate(), Partial("sum")), (Shard(0), Shard(1), Shard(0)))]),
+    ((2, 2, 2), (4, 6, 5), [((Partial("avg"),) * 3, (Replicate(), Shard(1), Replicate()))]),
+], ids=["2x3-R-P", "2x2-R-P", "2x2-avg-uneven", "2x4-uneven", "2x2x2-R-S-P", "2x2x2-avg"])
+def test_issue_53_cases(mesh_shape, shape, transitions):
+    """Issue #53's reproductions on real ranks: a reducing exchange summed one replica's terms with
+    another's (the replicas here hold different terms), and uneven Partial -> Shard moved up to 2x
+    the minimum; exact and within the bound now."""
+    _check(mesh_shape, shape, transitions)
