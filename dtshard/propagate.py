@@ -33,7 +33,7 @@ from dtshard import redistribute as R
 from dtshard._config import config  # noqa: F401  (dtshard.config; re-exported here for old imports)
 from dtshard.collectives import mesh_coordinate  # coordinate of this rank (cached)
 from dtshard.registry import OpCall, RuleEntry, get_entry, op_facts
-from dtshard.spec import (DTensorSpec, TensorMeta, chunk_range, contiguous_strides, is_shard, is_strided,
+from dtshard.spec import (DTensorSpec, TensorMeta, chunk_classes, chunk_range, contiguous_strides, is_shard, is_strided,
                           dim_patterns, dim_region, dim_steps, local_region, local_shape, local_shape_and_offset,
                           local_shape_classes, mesh_identity, placement_key,
                           placements_equal, placements_str, split_factor)
@@ -962,7 +962,11 @@ def _any_shard(spec: DTensorSpec) -> bool:
 def _view_regions_match(in_spec: DTensorSpec, out_spec: DTensorSpec, mesh_shape) -> bool:
     """Does every rank's output shard of a view hold exactly its input shard's elements?  (A view
     keeps the row-major order, and a shard lists its elements in global order, so the local view
-    is then the right one.)"""
+    is then the right one.)
+
+    Decided without walking the ranks (_one_shard_regions_match, _view_groups_match); where
+    neither decides, the ranks are walked on a mesh of at most _ENUM_LIMIT ranks, and on a larger
+    one the answer is False, the safe direction (the view redistributes: correct, only slower)."""
     quick = _one_shard_regions_match(in_spec, out_spec, mesh_shape)
     if quick is not None:
         return quick
@@ -1119,7 +1123,9 @@ def _one_shard_regions_match(in_spec: DTensorSpec, out_spec: DTensorSpec, mesh_s
         return None  # (they may still match when one rank holds everything: the walk decides)
     ia, ib = math.prod(a_shape[da + 1:]), math.prod(b_shape[db + 1:])
     n = mesh_shape[0]
-    for r in range(n):
+    # chunk lengths are constant between the class starts of both splits (chunk_classes)
+    starts = {a for a, _, _ in chunk_classes(a_shape[da], n)} | {a for a, _, _ in chunk_classes(b_shape[db], n)}
+    for r in starts:
         if chunk_range(a_shape[da], n, r)[1] * ia != chunk_range(b_shape[db], n, r)[1] * ib:
             return False
     return True
