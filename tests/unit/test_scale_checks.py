@@ -440,3 +440,85 @@ def test_every_check_finishes_at_32768_ranks():
         choose_pipe(s, lays[1][1], Step(i + 1, Shard(1), Replicate(), "all_gather"), 1 << 10, 8)
         assert blocks_align(4096 * 64, 4096 * 8, mesh_shape, range(len(mesh_shape)))
         assert not blocks_align(4096 * 24, 4096 * 3, mesh_shape, range(len(mesh_shape)))
+
+
+# ---- FSDP's gradient-term placements (fsdp._group._term_placements) -------------------------------
+
+
+class TableMesh:
+    """A mesh of a rank table and this rank's coordinate (what _term_placements reads)."""
+
+    mesh_dim_names = None
+
+    def __init__(self, table: torch.Tensor, coord):
+        self.mesh, self.ndim, self.shape, self._coord = table, table.ndim, tuple(table.shape), tuple(coord)
+
+    def size(self, d=None):
+        return self.mesh.numel() if d is None else self.shape[d]
+
+    def get_coordinate(self):
+        return list(self._coord)
+
+
+def old_term_placements(mesh, fsdp_mesh, placements):
+    """_term_placements before issue #53 (a set of coordinates spanning FSDP's mesh dims)."""
+    from dtshard import collectives as C
+
+    def flat(t):
+        return set().union(*(flat(x) for x in t)) if isinstance(t, list) else {t}
+
+    def ranks_of(index):
+        return flat(C.rank_table(mesh, tuple(index)))
+
+    fsdp_ranks = flat(C.rank_table(fsdp_mesh))
+    coord = list(C.mesh_coordinate(mesh))
+    target, span = [], {tuple(coord)}
+    for d in range(mesh.ndim):
+        along = ranks_of([slice(None) if k == d else c for k, c in enumerate(coord)])
+        if along <= fsdp_ranks:
+            target.append(Partial("sum"))
+            span = {tuple(c[:d]) + (r,) + tuple(c[d + 1:]) for c in span for r in range(mesh.size(d))}
+        elif len(along & fsdp_ranks) == 1:
+            target.append(Replicate())
+        else:
+            span = None
+            break
+    if not (span is not None and set().union(*(ranks_of(c) for c in span)) == fsdp_ranks):
+        raise RuntimeError("not lined up")
+    return tuple(target)
+
+
+@SETTINGS
+@given(st.data())
+def test_term_placements_match_the_span_walk(data):
+    from dtshard.fsdp._group import _term_placements
+
+    shape = data.draw(meshes)
+    table = torch.arange(math.prod(shape)).reshape(shape)
+    coord = tuple(data.draw(st.integers(0, n - 1)) for n in shape)
+    mesh = TableMesh(table, coord)
+    me = int(table[coord])
+    if data.draw(st.booleans()):  # FSDP over some whole mesh dims through this rank
+        free = data.draw(st.lists(st.integers(0, len(shape) - 1), unique=True))
+        sub = table[tuple(slice(None) if d in free else c for d, c in enumerate(coord))]
+        fsdp = TableMesh(sub.reshape(-1), (0,))
+    else:  # any ranks with this one among them
+        others = data.draw(st.lists(st.integers(0, table.numel() - 1), unique=True, max_size=6))
+        fsdp = TableMesh(torch.tensor(sorted({me, *others})), (0,))
+    try:
+        want = old_term_placements(mesh, fsdp, ())
+    except RuntimeError:
+        want = None
+    try:
+        got = _term_placements(mesh, fsdp, "m", ())
+    except RuntimeError:
+        got = None
+    assert got == want
+
+
+def test_term_placements_at_32768_ranks():
+    from dtshard.fsdp._group import _term_placements
+
+    table = torch.arange(32768).reshape(4096, 8)
+    mesh = TableMesh(table, (17, 3))
+    assert _term_placements(mesh, TableMesh(table[:, 3], (17,)), "m", ()) == (Partial("sum"), Replicate())
