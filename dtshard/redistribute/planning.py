@@ -299,6 +299,7 @@ def _steps_cost(spec: DTensorSpec, steps) -> float:
     itemsize = _itemsize(spec.dtype)
     for s in steps:
         if isinstance(s, GroupStep):
+            flat += _member_charge(spec.mesh_shape, s)
             if len(s.costs) == 1 or (per_rank is not None and len(per_rank) != len(s.costs)):
                 flat += max(s.costs)
             else:
@@ -352,6 +353,20 @@ def _best_plan(spec: DTensorSpec, src: tuple, dst: tuple) -> tuple:
     k = min(tied, key=lambda k: (_flattens(cands[k]), _n_collectives(cands[k]),
                                  sum(s.kind in ("exchange", "reduce_exchange") for s in cands[k]), k))
     return cands[k]
+
+
+#: what one more member of a flattened group of more than ``layout.EXACT_PRICING_RANKS`` ranks
+#: costs, in bytes: a ring collective takes a step per member, an all_to_all a message per peer,
+#: and a rank packs a piece per peer (an exchange over 32,768 ranks in which one rank feeds
+#: every other one spends seconds on its CPU where two per-mesh-dim collectives spend milliseconds)
+FLAT_MEMBER_BYTES = 64
+
+
+def _member_charge(mesh_shape, step) -> float:
+    k = math.prod(mesh_shape[i] for i in step.mesh_dims)
+    if k <= L.EXACT_PRICING_RANKS or len(step.mesh_dims) < 2 or step.kind in ("slice", "zero"):
+        return 0.0
+    return FLAT_MEMBER_BYTES * (k - 1)
 
 
 def _flattens(steps) -> bool:
