@@ -24,6 +24,16 @@ tensor values (``bernoulli(probs)``, ``normal(mean, std)``, ``multinomial``, ``n
 ``rrelu_with_noise``, ...) first replicate those inputs (all_gather / all_reduce), run the op on the
 full tensors and keep the output's slice.  Outputs follow the placements of the first DTensor input
 when they have its shape (Partial taken as Replicate), else they are replicated.
+
+Layouts: a draw follows its tensor's memory order (one process's ``native_dropout(x.t())`` is
+``native_dropout(x).t()``, ``bernoulli_`` of a transposed tensor fills it column by column), so
+every full tensor handed to the op has the DTensor's GLOBAL strides: ``torch.empty_strided`` for
+``self`` of a value-free fill, the gathered value copied into that layout for the others
+(:func:`_global_value`: gaps of a slice kept, an expanded dim's shared elements written once).
+``dropout`` itself decomposes into ``empty_like(x)`` and ``bernoulli_``: ``empty_like`` keeps
+``x``'s global layout for that (``rules/tensor_ops.py``).  Checked for every op here, on
+transposed, permuted, sliced, expanded and channels_last inputs, by
+``tests/promises/test_random_promise.py``.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate
 from dtshard._config import config
 from dtshard.registry import register_handler
 from dtshard.rules._common import aten_ops
+from dtshard.spec import contiguous_strides
 from dtshard.tensor import DTensor
 
 aten = torch.ops.aten
@@ -80,6 +91,38 @@ def _from_full(full: torch.Tensor, mesh, placements):
     rep = [Replicate()] * mesh.ndim
     d = DT.from_local(full, mesh, rep, shape=tuple(full.shape), stride=tuple(full.stride()))
     return d.redistribute(mesh, list(placements)) if tuple(placements) != tuple(rep) else d
+
+
+def _global_value(value: torch.Tensor, shape: tuple, stride: tuple) -> torch.Tensor:
+    """A fresh plain tensor holding ``value`` (the global value, in any layout) laid out with the
+    GLOBAL ``stride``: what one process would hand the op.  A random op's draws follow its input's
+    memory order (``native_dropout(x.t())`` is ``native_dropout(x).t()``), so a contiguous copy
+    would draw the same numbers into other elements.  Strides with gaps (a slice) are kept as
+    they are; overlapping ones (an expanded dim) are written through the storage offsets of
+    their elements (the elements that share a place hold the same value)."""
+    if stride == contiguous_strides(shape):
+        return value.clone(memory_format=torch.contiguous_format)
+    out = torch.empty_strided(shape, stride, dtype=value.dtype, device=value.device)
+    if _overlaps(shape, stride):
+        base = out.as_strided((out.untyped_storage().nbytes() // out.element_size(),), (1,))
+        where = torch.arange(base.numel(), device=value.device).as_strided(shape, stride)
+        base[where.reshape(-1)] = value.reshape(-1)
+    else:
+        out.copy_(value)
+    return out
+
+
+def _overlaps(shape, stride) -> bool:
+    """May two elements of a tensor of ``shape`` and ``stride`` share a place in memory?  False
+    when, dims taken by increasing stride, each stride is past the span of the dims below it (every
+    layout a view of a non-overlapping tensor makes); True otherwise, which only sends
+    :func:`_global_value` down its storage-offset path (right for any layout)."""
+    span = 0
+    for st, sz in sorted((st, sz) for sz, st in zip(shape, stride) if sz > 1):
+        if st <= span:
+            return True
+        span += st * (sz - 1)
+    return False
 
 
 def _random_handler(op, args, kwargs):
@@ -139,7 +182,7 @@ def _random_impl(op, args, kwargs):
             return a
         if value_free and self_slot:
             return torch.empty_strided(tuple(a.shape), tuple(a.stride()), dtype=a.dtype)
-        return a.redistribute(mesh, rep).to_local().clone()
+        return _global_value(a.redistribute(mesh, rep).to_local(), tuple(a.shape), tuple(a.stride()))
 
     fargs = [_walk(a, lambda b, k=k: full(b, k == 0)) for k, a in enumerate(args)]
     fkwargs = {k: _walk(v, full) for k, v in kwargs.items()}

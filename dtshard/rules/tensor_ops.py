@@ -7,12 +7,15 @@ accept the input in ANY placement, so the cheapest plan never moves it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-from dtshard.handlers import planned
+from dtshard.handlers import DTensor, planned, wrap
 from dtshard.registry import OpCall, register_handler, register_rule
 from dtshard.rules._common import R
+from dtshard.spec import contiguous_strides
 
 aten = torch.ops.aten
 _PARTIALS = (Partial("sum"), Partial("avg"), Partial("max"), Partial("min"))
@@ -110,6 +113,29 @@ def filled_like_rule(call: OpCall):
     # one value everywhere: keep a shard layout, or produce Replicate whatever the input is
     # (a Partial(sum) of ones would sum to n)
     return _same_layout(call.tensors[0], partials=()) + _any_input_to_replicate(call.tensors[0])
+
+
+@register_handler([aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default],
+                  before_rule=True)
+def like_layout_handler(op, args, kwargs):
+    """``*_like(x)`` keeps ``x``'s memory layout in its GLOBAL strides, as PyTorch's
+    ``preserve_format`` does: the planner infers output metadata from the op on contiguous
+    inputs, so a transposed ``x`` would give a contiguous spec over transposed shards.  It
+    matters to what is drawn into the result: ``dropout`` decomposes into ``empty_like(x)``
+    and ``bernoulli_``, whose draws follow the memory order (rules/random.py), so one process's
+    mask is ``x``'s layout.  The placements are the rules' (the plain planned call)."""
+    out = planned(op, args, kwargs)
+    x = args[0]
+    if not isinstance(out, DTensor) or not isinstance(x, DTensor) or out.shape != x.shape:
+        return out
+    memory_format = kwargs.get("memory_format")
+    if x._spec.stride == contiguous_strides(tuple(x.shape)) or memory_format not in (None, torch.preserve_format):
+        return out  # the planner's metadata is PyTorch's already
+    like = torch.empty_strided(tuple(x.shape), x._spec.stride, dtype=x.dtype, device="meta")
+    stride = tuple(torch.empty_like(like).stride())
+    if stride == out._spec.stride:
+        return out
+    return wrap(out._local_tensor, dataclasses.replace(out._spec, stride=stride))
 
 
 @register_rule(aten.fill.Scalar)
