@@ -12,7 +12,8 @@ Where one process raises, every rank must raise; two clear dtshard errors are ac
 in-place write into a view that is a copy, an in-place op that would change a Partial self's
 placement: see ``_COPIED_VIEW``, ``_PARTIAL_IN_PLACE``); any other error fails.  The layouts are
 views of a contiguous base (one view deep), whose global strides dtshard holds exactly; the test
-checks that premise on every case.
+checks that premise on every case.  Layouts it does not hold yet (a view of a view, clone or a
+pointwise op of a transposed tensor) are a strict xfail: ``test_layouts_dtshard_does_not_hold_yet``.
 
 Cost: the cases are drawn in this process (hypothesis, derandomized: one batch, no shrinking; a
 failure lists every failing case), the one-process results computed here, and each mesh's cases
@@ -24,6 +25,7 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, Phase, given, settings
@@ -47,6 +49,16 @@ LAYOUTS = {
     "expanded": (3, lambda x: x.expand(-1, 3, -1)),  # a base of (a, 1, c)
     "channels_last": (4, lambda x: x.contiguous(memory_format=torch.channels_last)),
     "permuted_4d": (4, lambda x: x.permute(0, 2, 3, 1)),
+}
+#: layouts whose global strides dtshard does not hold yet: the planner infers an op's output
+#: metadata from the op on CONTIGUOUS global inputs (propagate.py's meta run, the rules' meta
+#: functions), so a view of a non-contiguous view, or clone / a pointwise op of one, gets
+#: contiguous-based strides over shards that have PyTorch's layout; a draw into it then follows
+#: the wrong order (test_layouts_dtshard_does_not_hold_yet, strict xfail)
+UNHELD_LAYOUTS = {
+    "transposed_twice": (2, lambda x: x.t().t()),
+    "transposed_clone": (2, lambda x: x.t().clone()),
+    "transposed_times_2": (2, lambda x: x.t() * 2),
 }
 
 # ops: name -> (fn(t, p, c) -> result, in place?, smallest ndim).  t: values in [-1, 1];
@@ -146,7 +158,7 @@ def _run_one(op, layout, shape, seed, make):
     """(results, the generator's next draws): ``make(base) -> tensor`` turns each base into the
     tensor the op sees (a plain tensor here, a DTensor on the ranks)."""
     fn, inplace, _ = OPS[op]
-    view = LAYOUTS[layout][1]
+    view = {**LAYOUTS, **UNHELD_LAYOUTS}[layout][1]
     bases = [make(b) for b in _bases(shape, seed + 1)]
     views = [view(b) for b in bases]
     stride = tuple(views[0].stride())  # before an in-place op, which may change it (none here does)
@@ -368,3 +380,9 @@ def test_random_ops_match_one_process_on_a_2x3_mesh():
     # the only 6-rank pool of the suite: one call, few cases
     _check((2, 3), [("dropout", "transposed", (6, 10), ("S0", "S1"), 99),
                     ("dropout", "transposed", (5, 7), ("Psum", "S0"), 99)] + _drawn((2, 3), 20))
+
+
+@pytest.mark.xfail(strict=True, reason="global strides of views of views and of ops on non-contiguous "
+                   "inputs are inferred from contiguous inputs (dtshard/propagate.py), not PyTorch's")
+def test_layouts_dtshard_does_not_hold_yet():
+    _check((2,), [("dropout", layout, (6, 10), (pl,), 99) for layout in UNHELD_LAYOUTS for pl in ("S0", "R")])
