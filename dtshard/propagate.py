@@ -1043,6 +1043,11 @@ def _view_groups_match(in_spec: DTensorSpec, out_spec: DTensorSpec, mesh_shape) 
             continue  # whole on every rank, on both sides
         if len(ga) == 1 and len(gb) == 1 and steps_a[ga[0]] == steps_b[gb[0]]:
             continue  # the same shards of the same length: equal factors on every rank
+        lead = _leading_rows_match(a_shape, b_shape, ga, gb, steps_a, steps_b)
+        if lead is not None:
+            if not lead:
+                return False
+            continue
         dims = {i for d in ga for i, _, _ in steps_a[d]} | {i for d in gb for i, _, _ in steps_b[d]}
         live.append((ga, gb, dims))
     components: list[tuple[list, set]] = []
@@ -1073,6 +1078,38 @@ def _view_groups_match(in_spec: DTensorSpec, out_spec: DTensorSpec, mesh_shape) 
         if all(any(not t[side] for t in ts) for ts in types_of) and any(
                 not t[side] and not t[2] for ts in types_of for t in ts):
             return False
+    return True
+
+
+def _leading_rows_match(a_shape, b_shape, ga, gb, steps_a, steps_b) -> bool | None:
+    """For a view group (_view_groups) whose only sharded dims are its first on each side, split
+    by plain shards of the same mesh dims in the same order: do both sides hold the same flat
+    indices of the group on every rank?  None when the group is not of that kind.
+
+    Each side's factor is then a row interval of its first dim times the rows below it
+    (``inner``), so the factors are equal exactly when every chunk, at every mesh dim, holds as
+    many elements on both sides: chunks lie in rank order, so equal lengths give equal offsets.
+    Where some chunk's lengths differ, some rank below it holds unequal, not both empty factors
+    (the lengths below a chunk sum to its own), and that rank's whole shards differ: every other
+    group holds something on both sides at coordinate 0 of its mesh dims, which are not this
+    group's.  Lengths are constant between the chunk classes' starts, which stand for the rest."""
+    if any(steps_a[d] for d in ga[1:]) or any(steps_b[d] for d in gb[1:]) or not ga or not gb:
+        return None
+    sa, sb = steps_a[ga[0]], steps_b[gb[0]]
+    if [(i, n) for i, n, _ in sa] != [(i, n) for i, n, _ in sb] or any(
+            parts != 1 for _, _, parts in (*sa, *sb)):
+        return None
+    ia, ib = math.prod(a_shape[d] for d in ga[1:]), math.prod(b_shape[d] for d in gb[1:])
+    states = {(a_shape[ga[0]], b_shape[gb[0]])}
+    for _, n, _ in sa:
+        nxt = set()
+        for la, lb in states:
+            for c in {x for x, _, _ in chunk_classes(la, n)} | {x for x, _, _ in chunk_classes(lb, n)}:
+                ca, cb = chunk_range(la, n, c)[1], chunk_range(lb, n, c)[1]
+                if ca * ia != cb * ib:
+                    return False
+                nxt.add((ca, cb))
+        states = nxt
     return True
 
 

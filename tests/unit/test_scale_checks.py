@@ -341,6 +341,18 @@ def test_view_regions_match_matches_the_walk(case):
     assert P._view_regions_match(a, b, mesh_shape) == want
 
 
+def test_flattened_rows_of_nested_shards_match_the_walk():
+    # a dim sharded over several mesh dims whose rows a view merges or splits (the batch of a
+    # loss's flatten): decided by chunk lengths alone (_leading_rows_match), uneven and empty too
+    for ms in [(2, 3), (4, 4)]:
+        for batch, seq in itertools.product(range(1, 13), range(1, 4)):
+            for pl in [(Shard(0), Shard(0)), (Shard(0), Replicate())]:
+                for a, b in [((batch, seq), (batch * seq,)), ((batch, seq, 2), (batch * seq, 2)),
+                             ((batch * seq,), (batch, seq))]:
+                    x, y = spec(ms, pl, a), spec(ms, pl, b)
+                    assert P._view_groups_match(x, y, ms) == old_view_match(x, y, ms), (ms, pl, a, b)
+
+
 @SETTINGS
 @given(st.data())
 def test_choose_pipe_matches_the_walk(data):
@@ -430,6 +442,11 @@ def test_every_check_finishes_at_32768_ranks():
                         (spec(mesh_shape, lays[2][1], (1000, 7, 3, 1)), True)):
             got = P._view_regions_match(x, y, mesh_shape)
             assert want is None or got == want
+        # a batch sharded over two mesh dims, its (batch, seq) rows flattened (the loss's view)
+        nested = lays[4][1][:-2] + (Shard(0), Shard(0))
+        for batch, want in ((98304, True), (4099, False)):
+            x = spec(mesh_shape, nested, (batch, 512, 4))
+            assert P._view_regions_match(x, spec(mesh_shape, nested, (batch * 512, 4)), mesh_shape) == want
         w = spec(mesh_shape, lays[0][1], (4099, 333))
         w2 = spec(mesh_shape, lays[0][1], (4099, 333, 1))
         assert P._view_regions_match(w, w2, mesh_shape)
