@@ -681,7 +681,7 @@ def main() -> None:
     ap.add_argument("--no-model", dest="model", action="store_false")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds per transition cell")
     ap.add_argument("--model-timeout", type=float, default=None, help="seconds per model cell (default 3x --timeout)")
-    ap.add_argument("--mem-limit", type=float, default=6144.0, help="MiB of resident memory per cell")
+    ap.add_argument("--mem-limit", type=float, default=6144.0, help="MiB of resident memory per cell (the whole forked process, the imported libraries included)")
     ap.add_argument("--reps", type=int, default=10, help="repeated (cache-hit) calls per cell")
     ap.add_argument("--rank", type=int, default=3, help="the simulated rank")
     ap.add_argument("--json", default=None, help="write the results here")
