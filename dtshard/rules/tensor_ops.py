@@ -8,6 +8,7 @@ accept the input in ANY placement, so the cheapest plan never moves it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
@@ -15,7 +16,6 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from dtshard.handlers import DTensor, planned, wrap
 from dtshard.registry import OpCall, register_handler, register_rule
 from dtshard.rules._common import R
-from dtshard.spec import contiguous_strides
 
 aten = torch.ops.aten
 _PARTIALS = (Partial("sum"), Partial("avg"), Partial("max"), Partial("min"))
@@ -126,16 +126,22 @@ def like_layout_handler(op, args, kwargs):
     mask is ``x``'s layout.  The placements are the rules' (the plain planned call)."""
     out = planned(op, args, kwargs)
     x = args[0]
-    if not isinstance(out, DTensor) or not isinstance(x, DTensor) or out.shape != x.shape:
+    if (not isinstance(out, DTensor) or not isinstance(x, DTensor)
+            or kwargs.get("memory_format") not in (None, torch.preserve_format)):
         return out
-    memory_format = kwargs.get("memory_format")
-    if x._spec.stride == contiguous_strides(tuple(x.shape)) or memory_format not in (None, torch.preserve_format):
+    spec = x._spec
+    if spec.contiguous_meta.stride == spec.stride:
         return out  # the planner's metadata is PyTorch's already
-    like = torch.empty_strided(tuple(x.shape), x._spec.stride, dtype=x.dtype, device="meta")
-    stride = tuple(torch.empty_like(like).stride())
+    stride = _preserved_stride(spec.shape, spec.stride)
     if stride == out._spec.stride:
         return out
     return wrap(out._local_tensor, dataclasses.replace(out._spec, stride=stride))
+
+
+@functools.lru_cache(maxsize=1024)
+def _preserved_stride(shape: tuple, stride: tuple) -> tuple:
+    """The strides of ``empty_like`` (``preserve_format``) of a tensor of ``shape`` and ``stride``."""
+    return tuple(torch.empty_like(torch.empty_strided(shape, stride, device="meta")).stride())
 
 
 @register_rule(aten.fill.Scalar)
