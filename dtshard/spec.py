@@ -200,7 +200,7 @@ def take_region(full, region: Region):
 # - a LENGTH is a function of lengths: the local length of a tensor dim after a shard on a mesh
 #   dim of size n depends only on the dim's current local length (torch.chunk layout: full
 #   chunks, one short chunk, then empty ones; a strided shard sums that over its parts).  Along
-#   one mesh dim it is constant on at most a few ranges of coordinates (_shard_len_segments), so
+#   one mesh dim it is constant on at most a few ranges of coordinates (_shard_len_starts), so
 #   the distinct local shapes over the whole mesh are found by walking the mesh dims in order and
 #   keeping the distinct length states (local_shape_classes);
 # - a tensor dim's REGION depends only on the coordinates of the mesh dims that shard that dim,
@@ -249,12 +249,6 @@ def _shard_len_starts(total: int, n: int, parts: int) -> set[int]:
     for _, ln in ((1, total),) if parts == 1 else _part_lengths(total, parts):
         starts.update(a for a, _, _ in chunk_classes(ln, n))
     return starts
-
-
-def _shard_len_segments(total: int, n: int, parts: int) -> list[tuple[int, int, int]]:
-    """``(start, stop, length)``: :func:`_shard_len` over ``range(n)`` as constant ranges."""
-    starts = sorted(_shard_len_starts(total, n, parts))
-    return [(a, b, _shard_len(total, n, parts, a)) for a, b in zip(starts, starts[1:] + [n])]
 
 
 def _sharded_dim(p: Placement) -> tuple[int, int] | None:
