@@ -19,12 +19,15 @@ either side of the issue) is noticed by its version counter and settled on its o
 
 Gradient accumulation (several ``backward()`` calls before the optimizer step, no ``zero_grad``):
 the second backward's Partial gradient meets a ``.grad`` already settled to Replicate, and
-AccumulateGrad adds it in place, which would reduce it at once, one all_reduce per parameter.
-Instead (:func:`accumulate_into_settled_grad`, a handler before ``add_``'s rule that acts only
-inside AccumulateGrad) the settled gradient is reopened as Partial without traffic (the first
-rank of each Partial mesh dim keeps it, the others hold zeros: the same sum), the new terms are
-added locally, and the leaf's hook buckets the sum like the first backward's: one all_reduce per
-bucket per backward.
+AccumulateGrad would add it in place, which would reduce it at once, one all_reduce per parameter.
+Instead the leaf's tensor hook (``tensor._reopen_settled_grad``, before AccumulateGrad) makes
+``.grad`` a NEW Partial tensor holding the settled value as its terms (no traffic: the first rank
+of each Partial mesh dim keeps it, the others hold zeros), AccumulateGrad adds the new terms
+locally, and the post-accumulate hook buckets the sum like the first backward's: one all_reduce
+per bucket per backward.  The settled tensor itself is never changed until its bucket is reduced;
+then the sum is written into it in place and it is ``.grad`` again (``tensor._store_settled``), so
+every alias of the old ``.grad`` (a ``detach()``, ``to_local()`` or view kept by the caller) reads
+the accumulated gradient on every rank, as in one process.
 """
 
 from __future__ import annotations
@@ -39,12 +42,10 @@ from dtshard import _trace
 from dtshard import collectives as C
 from dtshard import hooks
 from dtshard._config import config
-from dtshard.handlers import planned
-from dtshard.registry import register_handler
 from dtshard.spec import mesh_identity
-from dtshard.tensor import DTensor, reduce_partial_grad
+from dtshard.tensor import DTensor, _grad_placements, _store_settled, reduce_partial_grad
 
-__all__ = ["accumulate_into_settled_grad", "bucket_gradient", "flush"]
+__all__ = ["bucket_gradient", "flush"]
 
 
 @dataclass
@@ -66,21 +67,23 @@ _callback = [None]  # the graph task whose end-of-backward callback is queued
 
 
 def _settled_by_all_reduce(grad, param):
-    """The settled placements and the Partial mesh dims when settling ``grad`` is one plain
-    all_reduce of sums (every other mesh dim unchanged); else None."""
-    gp, pp = grad._spec.placements, param._spec.placements
-    dims, target = [], []
-    for i, (g, q) in enumerate(zip(gp, pp)):
+    """The settled placements and the Partial mesh dims when settling ``grad`` to ``param``'s
+    layout is one plain all_reduce of sums (every other mesh dim already the parameter's); else
+    None."""
+    gp, want = grad._spec.placements, _grad_placements(param._spec.placements)
+    if len(gp) != len(want):
+        return None
+    dims = []
+    for i, (g, w) in enumerate(zip(gp, want)):
         if isinstance(g, Partial):
-            if g.reduce_op != "sum" or not (isinstance(q, (Partial, Replicate))):
+            if g.reduce_op != "sum" or not isinstance(w, Replicate):
                 return None
             dims.append(i)
-            target.append(Replicate())
-        else:
-            target.append(g)
+        elif g != w:
+            return None
     if not dims:
         return None
-    return tuple(target), tuple(dims)
+    return want, tuple(dims)
 
 
 @hooks.grad_settler
@@ -153,53 +156,9 @@ def _finish_issued() -> None:
                 reduce_partial_grad(param)
             else:
                 local = bucket.flat[off:off + n].view(grad._local_tensor.shape)
-                param.grad = DTensor(local, grad._spec.with_placements(bucket.target), requires_grad=False)
+                settled = DTensor(local, grad._spec.with_placements(bucket.target), requires_grad=False)
+                _store_settled(param, grad, settled)  # into the .grad it was reopened from, if it was
             off += n
-
-
-@register_handler(torch.ops.aten.add_.Tensor, before_rule=True)
-def accumulate_into_settled_grad(op, args, kwargs):
-    """AccumulateGrad adding a Partial(sum) gradient into a ``.grad`` that an earlier backward
-    settled to Replicate on those mesh dims: reopen it as Partial (no traffic) and add locally, so
-    the leaf's post-accumulate hook buckets the sum (see the module docstring).  Every other
-    ``add_`` goes to its rule."""
-    node = torch._C._current_autograd_node()
-    if node is not None and not kwargs and len(args) == 2 and type(node).__name__ == "AccumulateGrad" \
-            and config.settle_partial_grads and config.grad_bucket_bytes and _reopenable(*args):
-        grad, new = args
-        coord = C.mesh_coordinate(grad._spec.mesh)
-        dims = [i for i, p in enumerate(new._spec.placements) if isinstance(p, Partial)]
-        if any(coord[i] != 0 for i in dims):
-            grad._local_tensor.zero_()  # this rank's term of the reopened sum
-        grad._spec = grad._spec.with_placements(new._spec.placements)
-        grad._local_tensor.add_(new._local_tensor)
-        return grad
-    return planned(op, args, kwargs)
-
-
-def _reopenable(grad, new) -> bool:
-    """``grad`` (settled) and ``new`` (Partial sums) the same tensor's layouts but for Replicate
-    in ``grad`` where ``new`` is Partial(sum), on plain local tensors, eagerly."""
-    if type(grad) is not DTensor or type(new) is not DTensor or torch.compiler.is_compiling():
-        return False
-    gs, ns = grad._spec, new._spec
-    if gs.has_strided or ns.has_strided or not C.is_member(gs.mesh):
-        return False
-    if gs.extra is not None or ns.extra is not None or gs.shape != ns.shape or gs.dtype != ns.dtype \
-            or gs.stride != ns.stride or mesh_identity(gs.mesh) != mesh_identity(ns.mesh):
-        return False
-    if type(grad._local_tensor) is not torch.Tensor or type(new._local_tensor) is not torch.Tensor \
-            or _get_current_dispatch_mode() is not None or grad._local_tensor.is_conj() or grad._local_tensor.is_neg():
-        return False
-    reopened = False
-    for g, n in zip(gs.placements, ns.placements):
-        if isinstance(n, Partial):
-            if n.reduce_op != "sum" or not isinstance(g, Replicate):
-                return False
-            reopened = True
-        elif g != n:
-            return False
-    return reopened
 
 
 hooks.runtime_entry_points(flush)  # the autograd engine's end-of-backward callback

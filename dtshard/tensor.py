@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from dtshard import collectives as C
 from dtshard import hooks
@@ -47,12 +48,16 @@ def mesh_or_current(device_mesh: Optional[DeviceMesh], what: str) -> DeviceMesh:
 def _install_grad_hooks(leaf: "DTensor") -> None:
     """Hooks every leaf DTensor that requires grad gets, once:
 
-    - a tensor hook that turns a plain-tensor gradient into a DTensor (:func:`_grad_as_dtensor`).
+    - a tensor hook that lays every gradient out like the leaf (:func:`_grad_as_dtensor`).
       Autograd builds some gradients itself, without any DTensor input, so they never reach
       ``__torch_dispatch__``: zero-filled gradients (``_efficientzerotensor`` / ``zeros`` in
       derivative formulas, e.g. ``copysign``'s gradient for ``other``, ``sgn``'s), and undefined
-      gradients materialised for custom Functions.  The hook runs for ``.backward()`` and for
-      ``torch.autograd.grad`` alike, so neither ``.grad`` nor a returned gradient is ever plain.
+      gradients materialised for custom Functions: those become DTensors.  The hook runs for
+      ``.backward()`` and for ``torch.autograd.grad`` alike, so neither ``.grad`` nor a returned
+      gradient is ever plain.  A DTensor gradient that goes into ``.grad`` but that its backward
+      left in another layout (``x @ w`` with ``x`` sharded on its columns gives ``w`` a
+      row-sharded gradient) is redistributed to the leaf's placements, its Partial mesh dims kept
+      for the settlement below.
     - a post-accumulate hook that settles a Partial gradient once (:func:`_settle_grad`).
     """
     if getattr(leaf, "_dtshard_settles_grads", False) or torch.compiler.is_compiling():
@@ -68,16 +73,121 @@ def _install_grad_hooks(leaf: "DTensor") -> None:
 
 def _grad_as_dtensor(spec: DTensorSpec, grad: torch.Tensor):
     """Tensor hook of a leaf DTensor with ``spec``: a plain gradient becomes a DTensor laid out like
-    the leaf (Partial as Replicate); a DTensor gradient passes unchanged (None), or copied into the
-    leaf's memory layout where AccumulateGrad would copy it (:func:`_in_leaf_layout`)."""
+    the leaf (Partial as Replicate).  A DTensor gradient that goes into ``.grad`` is moved to the
+    leaf's layout but for its Partial mesh dims (:func:`_in_grad_layout`), or copied into the
+    leaf's memory layout where AccumulateGrad would copy it (:func:`_in_leaf_layout`), and a Partial
+    one that AccumulateGrad is about to add into a settled ``.grad`` reopens it first
+    (:func:`_reopen_settled_grad`); one that ``torch.autograd.grad`` returns keeps the layout its
+    backward gave it, as in PyTorch's DTensor (the caller decides what to move).  None: unchanged."""
     if grad is None:  # an undefined gradient (allow_unused)
         return None
     if isinstance(grad, DTensor):
+        out = grad
         if grad._spec.mesh is not spec.mesh and mesh_identity(grad._spec.mesh) != mesh_identity(spec.mesh):
-            return _onto_sub_mesh(grad, spec.mesh, "the gradient of a leaf DTensor")
-        return _in_leaf_layout(spec, grad) if grad._spec.stride != spec.stride else None
+            out = _onto_sub_mesh(grad, spec.mesh, "the gradient of a leaf DTensor")
+        accumulates, node = _accumulating_node()
+        if accumulates:
+            out = _in_grad_layout(spec, out)
+        if out._spec.stride != spec.stride:
+            copied = _in_leaf_layout(spec, out)
+            if copied is not None:
+                out = copied
+        if node is not None:
+            for p in out._spec.placements:
+                if isinstance(p, Partial):
+                    _reopen_settled_grad(node.variable, out)
+                    break
+        return None if out is grad else out
     return _promote_plain(grad, spec.mesh, _grad_placements(spec.placements), shape=spec.shape,
                           what="the gradient of a leaf DTensor")
+
+
+def _accumulating_node():
+    """``(accumulates, node)`` for the gradient a leaf's tensor hook sees: whether it goes into the
+    leaf's ``.grad`` (``backward()``) rather than being returned (``torch.autograd.grad``), and the
+    AccumulateGrad node about to add it (None when the engine does not say: the gradient is then
+    taken to go into ``.grad``, and nothing is reopened)."""
+    node = torch._C._current_autograd_node()
+    if node is None or type(node).__name__ != "AccumulateGrad":
+        return True, None
+    try:
+        return (True, node) if torch._C._will_engine_execute_node(node) else (False, None)
+    except RuntimeError:  # torch.autograd.grad: "A leaf node was passed to _will_engine_execute_node"
+        return False, None
+
+
+def _in_grad_layout(spec: DTensorSpec, grad: "DTensor") -> "DTensor":
+    """``grad`` (on the leaf's mesh) redistributed to the placements of the leaf's gradients
+    (:func:`_grad_placements`) on every mesh dim where it is not Partial: ``grad`` itself when it
+    already is.  The Partial dims stay for :func:`_settle_grad` (bucketed with other gradients, or
+    left Partial when ``config.settle_partial_grads`` is off).  Accumulation then adds gradients of
+    one layout (never one that moves a settled ``.grad``), and the optimizer, clipping and
+    checkpoints read ``.grad`` in the parameter's layout, as with PyTorch's DTensor and FSDP2."""
+    gp = grad._spec.placements
+    want = _grad_placements(spec.placements)
+    if len(gp) != len(want):
+        return grad
+    target = tuple(g if isinstance(g, Partial) else w for g, w in zip(gp, want))
+    if placements_equal(gp, target) or grad._spec.extra is not None or spec.extra is not None:
+        return grad  # (layout-extension data: its extension lays out its gradients)
+    try:
+        return grad.redistribute(grad._spec.mesh, target)
+    except ValueError:  # no legal path to that layout: the gradient stays as it is (correct)
+        return grad
+
+
+def _reopen_settled_grad(param: "DTensor", new: "DTensor") -> None:
+    """Gradient accumulation (a second ``backward()`` without ``zero_grad``) with buckets on: the
+    Partial(sum) gradient ``new`` that AccumulateGrad is about to add into ``param.grad``, which an
+    earlier backward settled to Replicate on those mesh dims.  Added as it is, ``add_`` would reduce
+    it at once (one all_reduce per parameter); instead ``.grad`` becomes a NEW Partial tensor holding
+    the settled value as its terms (the first rank of each Partial mesh dim keeps it, the others hold
+    zeros: the same sum), AccumulateGrad adds ``new`` into that locally, and the post-accumulate
+    hook buckets the sum like the first backward's.  The settled tensor is not touched: every
+    alias of it (``p.grad.detach()``, ``p.grad.to_local()``, a view) keeps its meaning, and the
+    settlement writes the reduced sum back into it in place and makes it ``.grad`` again
+    (:func:`_store_settled`), so after ``backward()`` ``.grad`` is the same tensor holding the
+    accumulated gradient on every rank, as in one process.  Only without grad mode (with
+    ``create_graph`` AccumulateGrad adds out of place), eagerly, on plain local tensors."""
+    if not config.settle_partial_grads or not config.grad_bucket_bytes or torch.is_grad_enabled() \
+            or torch.compiler.is_compiling():
+        return  # (buckets off: AccumulateGrad's add_ reduces the new terms in place, one all_reduce)
+    old = param.grad
+    if not _reopenable(old, new):
+        return
+    ns = new._spec
+    coord = C.mesh_coordinate(ns.mesh)
+    first = all(coord[i] == 0 for i, p in enumerate(ns.placements) if isinstance(p, Partial))
+    local = old._local_tensor.clone() if first else torch.zeros_like(old._local_tensor)
+    reopened = DTensor(local, old._spec.with_placements(ns.placements), requires_grad=False)
+    reopened._dtshard_settles_into = old
+    param.grad = reopened
+
+
+def _reopenable(grad, new) -> bool:
+    """``grad`` (settled) and ``new`` (Partial sums) the same tensor's layouts but for Replicate
+    in ``grad`` where ``new`` is Partial(sum), on plain local tensors, eagerly."""
+    if type(grad) is not DTensor or type(new) is not DTensor:
+        return False
+    gs, ns = grad._spec, new._spec
+    if gs.has_strided or ns.has_strided or not C.is_member(gs.mesh):
+        return False
+    if gs.extra is not None or ns.extra is not None or gs.shape != ns.shape or gs.dtype != ns.dtype \
+            or mesh_identity(gs.mesh) != mesh_identity(ns.mesh) or "_dtshard_settles_into" in grad.__dict__:
+        return False
+    g_local, n_local = grad._local_tensor, new._local_tensor
+    if type(g_local) is not torch.Tensor or type(n_local) is not torch.Tensor or g_local.shape != n_local.shape \
+            or _get_current_dispatch_mode() is not None or g_local.is_conj() or g_local.is_neg():
+        return False
+    reopened = False
+    for g, n in zip(gs.placements, ns.placements):
+        if isinstance(n, Partial):
+            if n.reduce_op != "sum" or not isinstance(g, Replicate):
+                return False
+            reopened = True
+        elif not placements_equal((g,), (n,)):
+            return False
+    return reopened
 
 
 def _onto_sub_mesh(grad: "DTensor", mesh: DeviceMesh, what: str) -> "DTensor":
@@ -134,39 +244,57 @@ def _promote_plain(t: torch.Tensor, mesh: DeviceMesh, placements=None, *, shape=
 
 
 def _settle_grad(param: "DTensor") -> None:
-    """Post-accumulate hook of a leaf DTensor: a Partial gradient is reduced to the parameter's
-    layout, by the first gradient settler that takes it (``dtshard.hooks.grad_settler``: a
-    bucket with others when that is a plain all_reduce, ``dtshard.grad_buckets``), else on its
-    own (:func:`reduce_partial_grad`)."""
+    """Post-accumulate hook of a leaf DTensor: a gradient not in the parameter's layout (a Partial
+    one; the tensor hook already moved every other mesh dim) is settled to it, by the first
+    gradient settler that takes it (``dtshard.hooks.grad_settler``: a bucket with others when that
+    is a plain all_reduce, ``dtshard.grad_buckets``), else on its own
+    (:func:`reduce_partial_grad`)."""
     grad = param.grad
     if not config.settle_partial_grads or not isinstance(grad, DTensor) or not isinstance(param, DTensor):
         return
     gp, pp = grad._spec.placements, param._spec.placements
-    if not any(isinstance(p, Partial) for p in gp) or len(gp) != len(pp):
+    if len(gp) != len(pp) or placements_equal(gp, _grad_placements(pp)):
         return
-    for settle in hooks.grad_settlers:
-        if settle(param, grad):
-            return
+    if any(isinstance(p, Partial) for p in gp):
+        for settle in hooks.grad_settlers:
+            if settle(param, grad):
+                return
     reduce_partial_grad(param)
 
 
 def reduce_partial_grad(param: "DTensor") -> None:
-    """Reduce ``param``'s Partial gradient to the parameter's placements now (one redistribute)."""
+    """Settle ``param``'s gradient to the parameter's layout now (one redistribute; Partial as
+    Replicate), into the tensor it was reopened from if it was (:func:`_store_settled`)."""
     grad = param.grad
     if not isinstance(grad, DTensor):
         return
     gp, pp = grad._spec.placements, param._spec.placements
-    if not any(isinstance(p, Partial) for p in gp) or len(gp) != len(pp):
+    target = _grad_placements(pp)
+    if len(gp) != len(pp) or placements_equal(gp, target):
         return
-    target = [
-        (Replicate() if isinstance(q, Partial) else q) if isinstance(p, Partial) else p
-        for p, q in zip(gp, pp)
-    ]
     with torch.no_grad():
         try:
-            param.grad = grad.redistribute(grad.device_mesh, target)
+            settled = grad.redistribute(grad.device_mesh, target)
         except ValueError:  # no legal path to that layout: the gradient stays as it is (correct)
-            pass
+            return
+        _store_settled(param, grad, settled)
+
+
+def _store_settled(param: "DTensor", grad: "DTensor", settled: "DTensor") -> None:
+    """``param.grad = settled``, the settlement of ``param``'s gradient ``grad``.  When ``grad`` was
+    reopened from a settled gradient (:func:`_reopen_settled_grad`), that tensor takes the value in
+    place instead and is ``.grad`` again: what one process's in-place accumulation does, so every
+    alias of it reads the accumulated gradient (the same values on every rank)."""
+    into = grad.__dict__.get("_dtshard_settles_into")
+    if into is not None:
+        s, t = settled._spec, into._spec
+        if placements_equal(s.placements, t.placements) and s.shape == t.shape and s.dtype == t.dtype \
+                and settled._local_tensor.shape == into._local_tensor.shape:
+            with torch.no_grad():
+                into.copy_(settled)
+            param.grad = into
+            return
+    param.grad = settled
 
 
 def _grad_placements(ps: Sequence[Placement]) -> tuple[Placement, ...]:
@@ -797,5 +925,5 @@ hooks.runtime_entry_points(
     DTensor.__coerce_same_metadata_as_tangent__, DTensor.__coerce_tangent_metadata__,
     DTensorSpec.__eq__, DTensorSpec.__hash__, DTensorSpec.token,
     _FromLocal.backward, _ToLocal.backward, _Redistribute.backward, _RedistributeCast.backward,
-    _settle_grad, _grad_as_dtensor,
+    _settle_grad, _grad_as_dtensor, _store_settled,
 )

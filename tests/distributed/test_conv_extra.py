@@ -67,7 +67,8 @@ def _check_generic(fn, x: torch.Tensor, x_place, m, seed: int, dtype=torch.float
     gw = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=dtype)
     (ref * gw).sum().backward()
     out.backward(dtshard.distribute_tensor(gw, m, out.placements, src_data_rank=None))
-    assert list(xd.grad.placements) == want, f"grad placements {xd.grad.placements}"
+    # a leaf's .grad is laid out like the leaf (README "Gradients"), whatever the output's layout
+    assert list(xd.grad.placements) == list(xd.placements), f"grad placements {xd.grad.placements}"
     torch.testing.assert_close(xd.grad.full_tensor(), xr.grad, msg=lambda s: f"grad_input: {s}")
 
 

@@ -109,7 +109,11 @@ def _check(cfg, m) -> list[str]:
     if got_fwd != want_fwd or any(r.op not in _FWD_OPS for r in fwd.records):
         failures.append(f"{name}: forward traffic {[(r.kind, r.op, r.nbytes) for r in fwd.records]}, want {want_fwd}")
     norm_bwd = [r.kind for r in bwd.records if r.op in _BWD_OPS]
-    if norm_bwd != (["all_reduce"] if reduced else []) or "all_gather" in bwd.kinds():
+    # channels sharded: the weight's and bias's gradients come channel-sharded and are gathered to
+    # their parameters' Replicate layout (README "Gradients"); never the activation's
+    gathers = [r.op for r in bwd.records if r.kind == "all_gather"]
+    if norm_bwd != (["all_reduce"] if reduced else []) \
+            or gathers != (["<redistribute>"] * 2 if cfg.get("channels") else []):
         failures.append(f"{name}: backward traffic {[(r.kind, r.op, r.nbytes) for r in bwd.records]}")
     return failures
 
