@@ -287,39 +287,51 @@ class Transfer:
 class ExchangePlan:
     """What ONE rank does in an exchange over its group (see the module docstring).
 
-    ``sends[g]`` / ``recvs[g]``: the boxes this rank sends to / receives from group member ``g``
-    (in an order both sides derive alike); ``keeps``: boxes copied from its own source shard.
-    ``any_traffic`` is the same for every member of the group (so all skip the collective or none).
-    ``sending`` / ``receiving``: the ``(member, transfers)`` pairs that are not empty, in group order.
+    ``sending`` / ``receiving``: ``(member, transfers)`` for the group members this rank sends
+    boxes to / receives boxes from (in group order; the boxes in an order both sides derive
+    alike); ``keeps``: boxes copied from its own source shard.  A group may have thousands of
+    members, of whom a rank usually talks to a few: nothing here holds a slot per member
+    (:attr:`sends` / :attr:`recvs` spell it out, for tests).  ``any_traffic`` is the same for
+    every member of the group (so all skip the collective or none).
     """
 
     group_index: int
+    group_size: int
     dst_shape: tuple[int, ...]
-    sends: tuple[tuple[Transfer, ...], ...]
-    recvs: tuple[tuple[Transfer, ...], ...]
+    sending: tuple[tuple[int, tuple[Transfer, ...]], ...]
+    receiving: tuple[tuple[int, tuple[Transfer, ...]], ...]
     keeps: tuple[Transfer, ...]
     any_traffic: bool
     #: every member sends its WHOLE shard to every other member, and all shards have the same
-    #: shape: the exchange is an all_gather of the unpacked shards (no packing on the send side),
-    #: then the same per-box copies.  ``src_shapes[g]``: member g's shard shape.  The same answer
-    #: on every member (decided from metadata the group shares).
+    #: shape, ``src_shape``: the exchange is an all_gather of the unpacked shards (no packing on
+    #: the send side), then the same per-box copies.  The same answer on every member (decided
+    #: from metadata the group shares).
     gather: bool = False
-    src_shapes: tuple[tuple[int, ...], ...] = ()
+    src_shape: tuple[int, ...] | None = None
 
-    def __post_init__(self):
-        # what every run reads, computed once (a group may have thousands of members)
-        object.__setattr__(self, "_sizes", ([sum(t.numel for t in ts) for ts in self.sends],
-                                            [sum(t.numel for t in ts) for ts in self.recvs]))
-        object.__setattr__(self, "sending", tuple((g, ts) for g, ts in enumerate(self.sends) if ts))
-        object.__setattr__(self, "receiving", tuple((g, ts) for g, ts in enumerate(self.recvs) if ts))
+    def _sizes(self, pairs) -> list[int]:
+        out = [0] * self.group_size
+        for g, ts in pairs:
+            out[g] = sum(t.numel for t in ts)
+        return out
 
     def send_sizes(self) -> list[int]:
-        """Elements sent to each member, in group order (a fresh list)."""
-        return list(self._sizes[0])
+        """Elements sent to each member, in group order (a fresh list: a collective's splits)."""
+        return self._sizes(self.sending)
 
     def recv_sizes(self) -> list[int]:
         """Elements received from each member, in group order (a fresh list)."""
-        return list(self._sizes[1])
+        return self._sizes(self.receiving)
+
+    @property
+    def sends(self) -> tuple[tuple[Transfer, ...], ...]:
+        d = dict(self.sending)
+        return tuple(d.get(g, ()) for g in range(self.group_size))
+
+    @property
+    def recvs(self) -> tuple[tuple[Transfer, ...], ...]:
+        d = dict(self.receiving)
+        return tuple(d.get(g, ()) for g in range(self.group_size))
 
 
 def _local_start(x: int, ivs) -> int:
@@ -533,15 +545,12 @@ def exchange_plan(shape, mesh_shape, src, dst, dims: Sequence[int], coord, red: 
 
     traffic = not _no_traffic(shape, src, dst, red)
     gshape = None if red or not traffic else _gather_shape(shape, mesh_shape, src, dst, dims, coord)
-    return ExchangePlan(me, dst_shape, _dense(sends, size), _dense(recvs, size), tuple(keeps), traffic,
-                        gshape is not None, (gshape,) * size if gshape is not None else ())
+    return ExchangePlan(me, size, dst_shape, _sorted(sends), _sorted(recvs), tuple(keeps), traffic,
+                        gshape is not None, gshape)
 
 
-def _dense(by_member: dict, size: int) -> tuple:
-    """Per group member, in group order, its transfers (one shared empty tuple for the many that
-    have none: no object per member)."""
-    empty = ()
-    return tuple(tuple(by_member[g]) if g in by_member else empty for g in range(size))
+def _sorted(by_member: dict) -> tuple:
+    return tuple((g, tuple(by_member[g])) for g in sorted(by_member))
 
 
 def _replica(peer: list, receiver, src_dims, rep_dims, mesh_shape) -> None:
@@ -550,8 +559,8 @@ def _replica(peer: list, receiver, src_dims, rep_dims, mesh_shape) -> None:
     receiver's own coordinate there, shifted by how far the piece's coordinates are from the
     receiver's: every replica serves its share of the receivers (the receiver's own coordinate
     alone would make the replicas on the diagonal send everything when the target shards those
-    very dims, e.g. ``(S0, S1, R) -> (S0, R, S1)``), and one receiver takes all the terms of an
-    element from one replica (the same shift for every term)."""
+    very dims, e.g. ``(S1, R) -> (R, S1)``), and one receiver takes all the terms of an element
+    from one replica (the same shift for every term)."""
     shift = sum(receiver[k] - peer[k] for k in src_dims)
     for i in rep_dims:
         peer[i] = (receiver[i] + shift) % mesh_shape[i]

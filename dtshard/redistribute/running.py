@@ -246,9 +246,9 @@ def _exchange(x: torch.Tensor, spec: DTensorSpec, step: GroupStep, coord) -> tor
     if ep.gather:
         # every member needs every other member's whole shard (a strided gather): one all_gather
         # of the shards as they are, then each member's atoms copied out of its shard
-        gathered = C.all_gather(x.contiguous().reshape(-1), spec.mesh, step.mesh_dims).view(len(ep.recvs), -1)
+        gathered = C.all_gather(x.contiguous().reshape(-1), spec.mesh, step.mesh_dims).view(ep.group_size, -1)
         for g, ts in ep.receiving:
-            shard = gathered[g].view(ep.src_shapes[g])
+            shard = gathered[g].view(ep.src_shape)
             for t in ts:
                 region(out, t.dst_slices).copy_(region(shard, t.src_slices))
         return out
