@@ -880,8 +880,8 @@ def _strided_variant(specs, in_ids, ins, outs, gflat, mesh_shape):
                   if shapes[t] is not None and is_strided(rows[t][i])]
         if len({sh[d] for sh, _, d in paired}) != 1:
             return None
-        if not _same_dim_regions(paired[0][0][paired[0][2]], [dim_steps(pl, d, mesh_shape) for _, pl, d in paired],
-                                 mesh_shape):
+        length = paired[0][0][paired[0][2]]
+        if not _same_dim_regions(length, [dim_steps(pl, d, mesh_shape, len(sh)) for sh, pl, d in paired], mesh_shape):
             return None
     return tuple(tuple(p) for p in ins2), tuple(tuple(o) for o in outs2)
 
@@ -1035,8 +1035,8 @@ def _view_groups_match(in_spec: DTensorSpec, out_spec: DTensorSpec, mesh_shape) 
         if bound is False:
             return False
     # 2. the groups' factors
-    steps_a = [dim_steps(in_spec.placements, d, mesh_shape) for d in range(len(a_shape))]
-    steps_b = [dim_steps(out_spec.placements, d, mesh_shape) for d in range(len(b_shape))]
+    steps_a = [dim_steps(in_spec.placements, d, mesh_shape, len(a_shape)) for d in range(len(a_shape))]
+    steps_b = [dim_steps(out_spec.placements, d, mesh_shape, len(b_shape)) for d in range(len(b_shape))]
     live = []
     for ga, gb in _view_groups(a_shape, b_shape):
         if not any(steps_a[d] for d in ga) and not any(steps_b[d] for d in gb):
@@ -1121,7 +1121,7 @@ def _max_runs_bound(spec: DTensorSpec, mesh_shape):
     nd = len(shape)
     most = [1] * nd  # the most intervals a dim's region has on any rank
     for d in range(nd):
-        steps = dim_steps(spec.placements, d, mesh_shape)
+        steps = dim_steps(spec.placements, d, mesh_shape, nd)
         if any(parts > 1 for _, _, parts in steps):
             most[d] = max(len(p) for p in dim_patterns(shape[d], steps))
     unknown = False

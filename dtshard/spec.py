@@ -318,16 +318,20 @@ def local_shapes(global_shape, mesh_shape, placements) -> list[tuple[int, ...]]:
     return [k[0] for k in local_shape_classes(((tuple(global_shape), tuple(placements)),), mesh_shape)]
 
 
-def dim_steps(placements: Sequence[Placement], d: int, mesh_shape: Sequence[int]) -> tuple[tuple[int, int, int], ...]:
+def dim_steps(placements: Sequence[Placement], d: int, mesh_shape: Sequence[int],
+              ndim: int | None = None) -> tuple[tuple[int, int, int], ...]:
     """``(mesh dim, size, parts)`` of each mesh dim that shards tensor dim ``d``, in mesh order,
     size-1 mesh dims left out (a shard over one rank keeps everything).  Tensor dim ``d``'s region
     at a coordinate is a function of its global length, these steps and the coordinates of
     their mesh dims only (:func:`dim_region`): two layouts with equal steps and length hold the
-    same indices of the dim on every rank."""
+    same indices of the dim on every rank.  ``ndim`` (the tensor's): shard dims and ``d`` compare
+    modulo it, as :func:`local_region` indexes them (a negative dim counts from the end)."""
     out = []
+    if ndim:
+        d %= ndim
     for i, p in enumerate(placements):
         sd = _sharded_dim(p)
-        if sd is not None and sd[0] == d and mesh_shape[i] > 1:
+        if sd is not None and (sd[0] % ndim if ndim else sd[0]) == d and mesh_shape[i] > 1:
             out.append((i, mesh_shape[i], sd[1]))
     return tuple(out)
 
@@ -386,7 +390,7 @@ def _strided_is_blocks(global_shape, mesh_shape, placements) -> bool:
     exact, without walking the mesh's coordinates; a dim that no strided shard splits is one
     interval everywhere (a chunk of an interval)."""
     for d, length in enumerate(global_shape):
-        steps = dim_steps(placements, d, mesh_shape)
+        steps = dim_steps(placements, d, mesh_shape, len(global_shape))
         if any(parts > 1 for _, _, parts in steps) and any(
                 len(pat) > 1 for pat in dim_patterns(length, steps)):
             return False

@@ -156,6 +156,8 @@ def placements_for(draw, ndim, mesh_ndim, partial=True):
     for _ in range(mesh_ndim):
         kind = draw(st.sampled_from("RPSSTT" if partial else "RSSTT"))
         d = draw(st.integers(0, ndim - 1))
+        if draw(st.integers(0, 7)) == 0:
+            d -= ndim  # a negative dim, counted from the end as local_region counts it
         out.append(Replicate() if kind == "R" else Partial() if kind == "P" else Shard(d) if kind == "S"
                    else _StridedShard(d, split_factor=draw(st.integers(1, 4))))
     return tuple(out)
@@ -199,7 +201,7 @@ def test_strided_is_blocks_and_patterns_match_the_walk(data):
     _strided_is_blocks.cache_clear()
     assert _strided_is_blocks(sh, mesh_shape, pl) == old_is_blocks(sh, mesh_shape, pl)
     for d in range(len(sh)):
-        steps = dim_steps(pl, d, mesh_shape)
+        steps = dim_steps(pl, d, mesh_shape, len(sh))
         want = {tuple(hi - lo for lo, hi in local_region(sh, mesh_shape, pl, c)[d]) for c in coords(mesh_shape)}
         assert dim_patterns(sh[d], steps) == want
         for c in coords(mesh_shape):
@@ -236,7 +238,7 @@ def test_same_dim_regions_match_the_walk(data):
     if len({sh[d] for sh, _, d in paired}) != 1:
         assert not want
         return
-    got = P._same_dim_regions(paired[0][0][paired[0][2]], [dim_steps(pl, d, mesh_shape) for _, pl, d in paired],
+    got = P._same_dim_regions(paired[0][0][paired[0][2]], [dim_steps(pl, d, mesh_shape, len(sh)) for sh, pl, d in paired],
                               mesh_shape)
     assert got == want  # small meshes: every undecided case is walked, so the verdict is exact
 
@@ -321,8 +323,8 @@ def view_pairs(draw):
 
     if draw(st.booleans()):
         pb = tuple(p if not isinstance(p, (Shard, _StridedShard)) else
-                   (Shard(counterpart(p.dim)) if type(p) is Shard
-                    else _StridedShard(counterpart(p.dim), split_factor=p.split_factor)) for p in pa)
+                   (Shard(counterpart(p.dim % len(a))) if type(p) is Shard
+                    else _StridedShard(counterpart(p.dim % len(a)), split_factor=p.split_factor)) for p in pa)
     else:
         pb = draw(placements_for(len(b), len(mesh_shape), partial=False))
     if not any(isinstance(p, (Shard, _StridedShard)) for p in pa):
