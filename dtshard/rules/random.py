@@ -212,4 +212,7 @@ def _random_impl(op, args, kwargs):
 
 _VALUE_FREE_SET = frozenset(_VALUE_FREE)
 _LIKE_SET = frozenset(_LIKE)
-register_handler(_VALUE_FREE + _LIKE + _VALUE_DEPENDENT)(_random_handler)
+# strided shards (FSDP over tensor-parallel weights) are taken as they are: the draw is the full
+# tensor either way, and Replicate -> a strided shard is a local slice, so converting them to
+# plain shards and back (two exchanges over the whole mesh per parameter) bought nothing
+register_handler(_VALUE_FREE + _LIKE + _VALUE_DEPENDENT, keeps_strided=True)(_random_handler)
