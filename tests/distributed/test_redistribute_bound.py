@@ -173,12 +173,26 @@ def partial_to_shard_transitions(mesh_ndim, tensor_ndim):
 # ---------------------------------------------------------------------------------------------
 
 
-def _run(mesh_shape, shape, transitions, plans):
+def _run(mesh_shape, shape, transitions, plans, min_boxes=None):
     """On each rank: every transition's bytes received, a layout problem (or ""), and the local
     result, whose values the parent checks against the global tensor (no collective here beyond
     the redistribute itself: gathering every result on the workers would double the suite's time).
     The plans were made once, in the parent (``plans_made_once``)."""
     use_plans(plans)
+    from dtshard.redistribute import running
+
+    saved = running._INDEXED_MIN_BOXES, running._INDEXED_BOX
+    if min_boxes is not None:  # exchanges pack by flat indices from this many boxes on
+        running._INDEXED_MIN_BOXES, running._INDEXED_BOX = min_boxes, 1 << 30
+        running._indices.clear()
+    try:
+        return _run_all(mesh_shape, shape, transitions)
+    finally:
+        running._INDEXED_MIN_BOXES, running._INDEXED_BOX = saved
+        running._indices.clear()
+
+
+def _run_all(mesh_shape, shape, transitions):
     mesh = dtshard.init_device_mesh("cpu", mesh_shape)
     coord = tuple(mesh.get_coordinate())
     x = _global(shape)
@@ -230,10 +244,11 @@ def _value_problem(x, mesh_shape, dst, locals_by_coord) -> str:
     return ""
 
 
-def _check(mesh_shape, shape, transitions):
+def _check(mesh_shape, shape, transitions, min_boxes=None):
     world = math.prod(mesh_shape)
     plans = plans_made_once(mesh_shape, shape, torch.float64, transitions)
-    answers = run_distributed(_run, world, tuple(mesh_shape), tuple(shape), transitions, plans, timeout=600)
+    answers = run_distributed(_run, world, tuple(mesh_shape), tuple(shape), transitions, plans, min_boxes,
+                              timeout=600)
     coords = [coord for coord, _ in answers]
     per_rank = [out for _, out in answers]
     x = _global(shape)
@@ -349,5 +364,7 @@ def test_value_check_catches_wrong_terms():
 def test_issue_53_cases(mesh_shape, shape, transitions):
     """Issue #53's reproductions on real ranks: a reducing exchange summed one replica's terms with
     another's (the replicas here hold different terms), and uneven Partial -> Shard moved up to 2x
-    the minimum; exact and within the bound now."""
+    the minimum; exact and within the bound now.  Run twice: with per-box copies, and with every
+    exchange packed through flat indices (the path a rank with many small boxes takes at scale)."""
     _check(mesh_shape, shape, transitions)
+    _check(mesh_shape, shape, transitions, min_boxes=1)
