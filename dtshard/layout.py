@@ -45,7 +45,7 @@ from typing import Sequence
 
 from torch.distributed.tensor.placement_types import Partial, Placement
 
-from dtshard.spec import (Region, _merge, _pick, chunk_range, is_shard, is_strided, local_region, memo,
+from dtshard.spec import (Region, _shard_step, chunk_range, is_shard, is_strided, local_region, memo,
                           placement_key, split_factor)
 
 __all__ = ["Box", "Region", "rank_box", "box_numel", "overlap_numel", "group_coords", "group_index",
@@ -156,13 +156,7 @@ def _cut(cur, n: int, c: int, parts: int):
         lo, hi = cur[0]
         a, b = chunk_range(hi - lo, n, c)
         return ((lo + a, lo + a + b),) if b else ()
-    total = _ivs_len(cur)
-    kept: list[tuple[int, int]] = []
-    for j in range(parts):
-        o, ln = chunk_range(total, parts, j)
-        a, b = chunk_range(ln, n, c)
-        kept.extend(_pick(cur, o + a, b))
-    return _merge(kept)
+    return _shard_step(cur, n, parts, c)
 
 
 def _dim_ivs(length: int, levels: Levels, mesh_shape, coord):
