@@ -1,7 +1,8 @@
 """One rank of 32,768, simulated with PyTorch's fake process group (issue #53): every transition
 of the scale benchmark (``benchmarks/bench_scale.py``) on a 128x256 and a 512x8x8 mesh, even and
 uneven shapes, and a small Llama with tensor parallelism and FSDP on a (4096, 8) mesh: built on
-the meta device, ``to_empty``, initialised, one forward and backward.
+the meta device, ``to_empty``, initialised, one forward and backward.  PyTorch's DTensor runs the
+same transitions on the same fake world, and its local shards must have dtshard's shapes.
 
 The fake group's collectives return tensors of the right shapes whose values mean nothing, so
 this checks what one rank does: its plans, the shapes of its shards, that nothing walks the
@@ -50,6 +51,23 @@ def _one_rank_of_32768() -> dict:
             if tuple(y.placements) != tuple(dst) or tuple(y.to_local().shape) != want:
                 problems.append(f"{name} {shape}: {tuple(y.placements)} {tuple(y.to_local().shape)}, want {want}")
             done += 1
+    # PyTorch's DTensor on the same fake world: the same local shard for every transition
+    from torch.distributed.device_mesh import init_device_mesh as torch_mesh
+    from torch.distributed.tensor import DTensor as TorchDTensor
+
+    tmeshes = {"2d": torch_mesh("cpu", (128, 256)), "3d": torch_mesh("cpu", (512, 8, 8))}
+    for name, (kind, src_s, dst_s) in B.TRANSITIONS.items():
+        mesh = tmeshes[kind]
+        src = B._placements(src_s, Shard, Replicate, Partial)
+        dst = B._placements(dst_s, Shard, Replicate, Partial)
+        for shape in B.SHAPES.values():
+            coord = mesh.get_coordinate()
+            x = TorchDTensor.from_local(torch.zeros(local_shape(shape, tuple(mesh.shape), src, coord)), mesh, src,
+                                        run_check=False, shape=torch.Size(shape), stride=torch.empty(shape).stride())
+            got = tuple(x.redistribute(mesh, dst).to_local().shape)
+            want = local_shape(shape, tuple(mesh.shape), dst, coord)
+            if got != want:
+                problems.append(f"{name} {shape}: PyTorch's DTensor holds {got}, dtshard {want}")
     dist.destroy_process_group()  # the model case starts its own world
     model = B.cell_model("dtshard", 32768, 3, 300.0)
     return {"problems": problems, "transitions": done, "model": sorted(k for k in model if k.endswith("_s"))}
