@@ -45,14 +45,12 @@ from typing import Sequence
 
 from torch.distributed.tensor.placement_types import Partial, Placement
 
-from dtshard.spec import (Region, _shard_step, chunk_range, is_shard, is_strided, local_region, memo,
-                          placement_key, split_factor)
+from dtshard.spec import (ENUMERATION_LIMIT, Region, _shard_len, _shard_len_starts, _shard_step, chunk_range, is_shard,
+                          is_strided, local_region, memo, placement_key, split_factor)
 
-__all__ = ["Box", "Region", "rank_box", "box_numel", "overlap_numel", "group_coords", "group_index",
+__all__ = ["Region", "rank_box", "box_numel", "group_coords", "group_index",
            "group_member", "ExchangePlan", "exchange_plan", "exchange_costs", "exchange_feasible",
            "representative_coords", "max_lacking", "EXACT_PRICING_RANKS"]
-
-Box = tuple[tuple[int, int], ...]  # (start, stop) per tensor dim
 
 #: meshes of up to this many ranks are priced rank by rank (cheap there, and exact); larger ones
 #: over representative coordinates (:func:`representative_coords`)
@@ -93,17 +91,6 @@ def _ivs_overlap(a, b) -> list[tuple[int, int]]:
         else:
             j += 1
     return out
-
-
-def overlap_numel(a: Region, b: Region) -> int:
-    """Elements two regions share (per dim, the overlap of their interval lists)."""
-    n = 1
-    for ia, ib in zip(a, b):
-        m = sum(hi - lo for lo, hi in _ivs_overlap(ia, ib))
-        if not m:
-            return 0
-        n *= m
-    return n
 
 
 def group_coords(mesh_shape: Sequence[int], dims: Sequence[int], coord: Sequence[int]) -> list[tuple[int, ...]]:
@@ -212,27 +199,20 @@ def _meeting_chunks(cur, n: int, parts: int, target) -> range | list[int]:
 
 
 def _length_classes(length: int, levels: Levels, mesh_shape, upto: int) -> set[int]:
-    """The lengths this tensor dim can have after its first ``upto`` levels, over every rank."""
+    """The lengths this tensor dim can have after its first ``upto`` levels, over every rank
+    (each level's length is constant between ``spec._shard_len_starts``)."""
     lens = {length}
     for i, parts in levels[:upto]:
         n = mesh_shape[i]
-        lens = {_ivs_len(_cut(((0, ln),) if ln else (), n, c, parts)) for ln in lens
-                for c in _chunk_breaks(ln, n, parts)}
+        lens = {_shard_len(ln, n, parts, c) for ln in lens for c in _shard_len_starts(ln, n, parts)}
     return lens
 
 
 def _chunk_breaks(length: int, n: int, parts: int) -> set[int]:
-    """Coordinates of a mesh dim of ``n`` that represent every chunk length class of a parent of
-    ``length`` (full chunks, the short one, the empty ones; per part of a strided shard)."""
-    out = {0, n - 1}
-    for j in range(parts):
-        ln = chunk_range(length, parts, j)[1]
-        if ln == 0:
-            continue
-        step = -(-ln // n)
-        b = ln // step  # first chunk that is not full
-        out.update(c for c in (b - 1, b, b + 1) if 0 <= c < n)
-    return out
+    """Coordinates of a mesh dim of ``n`` that represent a level of a parent of ``length`` for
+    pricing: where the chunk length changes (``spec._shard_len_starts``) and their neighbours on
+    both sides (a piece's position, not only its length, decides what it overlaps), and the last."""
+    return {c for s in _shard_len_starts(length, n, parts) for c in (s - 1, s, s + 1) if 0 <= c < n} | {n - 1}
 
 
 def representative_coords(mesh_shape: Sequence[int], shape: Sequence[int], layouts) -> list[list[int]]:
@@ -371,9 +351,6 @@ def exchange_feasible(shape, mesh_shape, src, dst, dims: Sequence[int]) -> bool:
                                                      frozenset(dims)))
 
 
-_EXACT_CHECK_LIMIT = 4096
-
-
 def _feasible(shape, mesh_shape, src, dst, G) -> bool:
     A, B = _levels(src, len(shape)), _levels(dst, len(shape))
     for d, length in enumerate(shape):
@@ -390,10 +367,10 @@ def _feasible(shape, mesh_shape, src, dst, G) -> bool:
 
 def _feasible_dim_by_enumeration(length, a: Levels, b: Levels, mesh_shape, G) -> bool:
     """Exactly, for one tensor dim: does every target piece lie in the union of the source pieces
-    of its group (or is it empty)?  Only when the coordinates involved are few."""
+    of its group (or is it empty)?  Only when the coordinates involved are few (``spec.ENUMERATION_LIMIT``)."""
     outside = sorted({i for i, _ in a if i not in G} | {i for i, _ in b})
     inside = sorted({i for i, _ in a if i in G})
-    if math.prod(mesh_shape[i] for i in outside) * math.prod(mesh_shape[i] for i in inside) > _EXACT_CHECK_LIMIT:
+    if math.prod(mesh_shape[i] for i in outside) * math.prod(mesh_shape[i] for i in inside) > ENUMERATION_LIMIT:
         return False
     coord = [0] * len(mesh_shape)
     for sub in itertools.product(*(range(mesh_shape[i]) for i in outside)):

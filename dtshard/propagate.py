@@ -33,8 +33,8 @@ from dtshard import redistribute as R
 from dtshard._config import config  # noqa: F401  (dtshard.config; re-exported here for old imports)
 from dtshard.collectives import mesh_coordinate  # coordinate of this rank (cached)
 from dtshard.registry import OpCall, RuleEntry, get_entry, op_facts
-from dtshard.spec import (DTensorSpec, TensorMeta, chunk_classes, chunk_range, contiguous_strides, is_shard, is_strided,
-                          dim_patterns, dim_region, dim_steps, local_region, local_shape, local_shape_and_offset,
+from dtshard.spec import (ENUMERATION_LIMIT, DTensorSpec, TensorMeta, chunk_classes, chunk_range, contiguous_strides,
+                          is_shard, is_strided, dim_patterns, dim_region, dim_steps, local_region, local_shape, local_shape_and_offset,
                           local_shape_classes, mesh_identity, placement_key,
                           placements_equal, placements_str, split_factor)
 
@@ -886,17 +886,13 @@ def _strided_variant(specs, in_ids, ins, outs, gflat, mesh_shape):
     return tuple(tuple(p) for p in ins2), tuple(tuple(o) for o in outs2)
 
 
-#: the most coordinates of several mesh dims a check walks where no exact argument decides; past
-#: it the check answers in its safe direction (a redistribute instead of a local plan)
-_ENUM_LIMIT = 4096
-
-
 def _sub_coords(mesh_dims, mesh_shape):
     """Every coordinate of the mesh dims ``mesh_dims`` (a dict each), or None when there are more
-    than _ENUM_LIMIT of them and more than one mesh dim (one mesh dim is walked whatever its size:
-    linear in that dim, never in the world size)."""
+    than ``spec.ENUMERATION_LIMIT`` of them and more than one mesh dim (the check then answers in its
+    safe direction; one mesh dim is walked whatever its size: linear in that dim, never in the
+    world size)."""
     sizes = [mesh_shape[i] for i in mesh_dims]
-    if len(sizes) > 1 and math.prod(sizes) > _ENUM_LIMIT:
+    if len(sizes) > 1 and math.prod(sizes) > ENUMERATION_LIMIT:
         return None
     return (dict(zip(mesh_dims, c)) for c in itertools.product(*(range(n) for n in sizes)))
 
@@ -965,7 +961,7 @@ def _view_regions_match(in_spec: DTensorSpec, out_spec: DTensorSpec, mesh_shape)
     is then the right one.)
 
     Decided without walking the ranks (_one_shard_regions_match, _view_groups_match); where
-    neither decides, the ranks are walked on a mesh of at most _ENUM_LIMIT ranks, and on a larger
+    neither decides, the ranks are walked on a mesh of at most ENUMERATION_LIMIT ranks, and on a larger
     one the answer is False, the safe direction (the view redistributes: correct, only slower)."""
     quick = _one_shard_regions_match(in_spec, out_spec, mesh_shape)
     if quick is not None:
@@ -973,7 +969,7 @@ def _view_regions_match(in_spec: DTensorSpec, out_spec: DTensorSpec, mesh_shape)
     verdict = _view_groups_match(in_spec, out_spec, mesh_shape)
     if verdict is not None:
         return verdict
-    if math.prod(mesh_shape) > _ENUM_LIMIT:
+    if math.prod(mesh_shape) > ENUMERATION_LIMIT:
         return False  # undecided without walking the ranks: the safe answer (the view redistributes)
     for coord in itertools.product(*(range(n) for n in mesh_shape)):
         a = _flat_runs(in_spec.shape, _region(in_spec, mesh_shape, coord))

@@ -209,6 +209,12 @@ def take_region(full, region: Region):
 # ---------------------------------------------------------------------------------------------
 
 
+#: the most coordinates of several mesh dims a check may walk where no per-dim argument decides
+#: (the op planner's region checks, an exchange's feasibility); past it a check answers in its safe
+#: direction (a slower, correct plan), so no check grows with the world
+ENUMERATION_LIMIT = 4096
+
+
 def chunk_classes(size: int, n: int) -> tuple[tuple[int, int, int], ...]:
     """``(start, stop, length)``: the ranges of chunk indices in ``range(n)`` over which the
     length of chunk ``c`` of ``size`` elements (torch.chunk layout) is constant: full chunks

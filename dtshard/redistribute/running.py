@@ -286,7 +286,7 @@ def _indexed(key, ep, x, slot_of):
     elements with hundreds of peers (a reducing exchange at scale) would otherwise spend a Python
     copy per box; indices cost 8 bytes an element, so large transfers keep the block copies.
     ``slot_of(g)``: the row of the terms stack that member g's boxes land in (reducing exchanges)."""
-    if type(x) is not torch.Tensor or torch.compiler.is_compiling() or _current_dispatch_mode() is not None:
+    if type(x) is not torch.Tensor or torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
         return None  # traced (fake tensors must not be cached): the per-box copies, same collective
     key = (key, x.device)
     hit = _indices.get(key, _NO_INDEX)
@@ -310,10 +310,6 @@ def _indexed(key, ep, x, slot_of):
 
 
 _NO_INDEX = object()
-
-
-def _current_dispatch_mode():
-    return _get_current_dispatch_mode()
 
 
 def _reduce_exchange(x: torch.Tensor, spec: DTensorSpec, step: GroupStep, coord) -> torch.Tensor:

@@ -23,6 +23,7 @@ from dtshard import propagate as P
 from dtshard.redistribute.pipelining import choose_pipe
 from dtshard.redistribute.planning import Step
 from dtshard.spatial.adaptive_pool import blocks_align
+from test_spec_and_plans import FakeMesh  # noqa: E402  (tests/unit is on sys.path under pytest)
 from dtshard.spec import (DTensorSpec, _strided_is_blocks, dim_patterns, dim_region, dim_steps, local_region,
                           local_shape, local_shape_and_offset, local_shape_classes, local_shapes)
 
@@ -32,19 +33,6 @@ SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 BIG_MESHES = [(4096, 8), (512, 8, 8)]  # 32,768 ranks each
-
-
-class FakeMesh:
-    """Enough of a DeviceMesh for metadata-only planning (no process group)."""
-
-    device_type = "cpu"
-
-    def __init__(self, *shape):
-        self.shape = shape
-        self.ndim = len(shape)
-
-    def size(self, i):
-        return self.shape[i]
 
 
 def spec(mesh_shape, placements, shape, dtype=torch.float32):

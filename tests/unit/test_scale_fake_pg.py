@@ -22,21 +22,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import bench_scale as B  # noqa: E402
 
 
-def _one_rank_of_32768() -> dict:
+def _transitions(lib: str, problems: list) -> int:
+    """Every benchmark transition, both shapes, on ``lib``'s 128x256 and 512x8x8 meshes: the
+    result's placements and local shape against the layout's arithmetic (dtshard's ``local_shape``,
+    the same for PyTorch's DTensor: both lay shards out like ``torch.chunk``)."""
     import torch
 
-    import dtshard
     from dtshard import Partial, Replicate, Shard
     from dtshard.spec import local_shape
 
-    import torch.distributed as dist
-
-    B.install_a2a_workaround()
-    if dist.is_initialized():  # (a group this process inherited: the child's own world replaces it)
-        dist.destroy_process_group()
-    B._init_fake(32768, 3)
-    problems = []
-    meshes = {"2d": dtshard.init_device_mesh("cpu", (128, 256)), "3d": dtshard.init_device_mesh("cpu", (512, 8, 8))}
+    if lib == "dtshard":
+        from dtshard import DTensor, init_device_mesh
+        extra = {}
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor
+        extra = {"run_check": False}
+    meshes = {"2d": init_device_mesh("cpu", (128, 256)), "3d": init_device_mesh("cpu", (512, 8, 8))}
     done = 0
     for name, (kind, src_s, dst_s) in B.TRANSITIONS.items():
         mesh = meshes[kind]
@@ -44,30 +46,27 @@ def _one_rank_of_32768() -> dict:
         dst = B._placements(dst_s, Shard, Replicate, Partial)
         for shape in B.SHAPES.values():
             coord = mesh.get_coordinate()
-            x = dtshard.DTensor.from_local(torch.zeros(local_shape(shape, tuple(mesh.shape), src, coord)), mesh, src,
-                                           shape=shape, stride=torch.empty(shape).stride())
+            x = DTensor.from_local(torch.zeros(local_shape(shape, tuple(mesh.shape), src, coord)), mesh, src,
+                                   shape=torch.Size(shape), stride=torch.empty(shape).stride(), **extra)
             y = x.redistribute(mesh, dst)
-            want = local_shape(shape, tuple(mesh.shape), dst, coord)
-            if tuple(y.placements) != tuple(dst) or tuple(y.to_local().shape) != want:
-                problems.append(f"{name} {shape}: {tuple(y.placements)} {tuple(y.to_local().shape)}, want {want}")
-            done += 1
-    # PyTorch's DTensor on the same fake world: the same local shard for every transition
-    from torch.distributed.device_mesh import init_device_mesh as torch_mesh
-    from torch.distributed.tensor import DTensor as TorchDTensor
-
-    tmeshes = {"2d": torch_mesh("cpu", (128, 256)), "3d": torch_mesh("cpu", (512, 8, 8))}
-    for name, (kind, src_s, dst_s) in B.TRANSITIONS.items():
-        mesh = tmeshes[kind]
-        src = B._placements(src_s, Shard, Replicate, Partial)
-        dst = B._placements(dst_s, Shard, Replicate, Partial)
-        for shape in B.SHAPES.values():
-            coord = mesh.get_coordinate()
-            x = TorchDTensor.from_local(torch.zeros(local_shape(shape, tuple(mesh.shape), src, coord)), mesh, src,
-                                        run_check=False, shape=torch.Size(shape), stride=torch.empty(shape).stride())
-            got = tuple(x.redistribute(mesh, dst).to_local().shape)
-            want = local_shape(shape, tuple(mesh.shape), dst, coord)
+            got = (tuple(y.placements), tuple(y.to_local().shape))
+            want = (tuple(dst), local_shape(shape, tuple(mesh.shape), dst, coord))
             if got != want:
-                problems.append(f"{name} {shape}: PyTorch's DTensor holds {got}, dtshard {want}")
+                problems.append(f"{lib}: {name} {shape}: {got}, want {want}")
+            done += 1
+    return done
+
+
+def _one_rank_of_32768() -> dict:
+    import torch.distributed as dist
+
+    B.install_a2a_workaround()
+    if dist.is_initialized():  # (a group this process inherited: the child's own world replaces it)
+        dist.destroy_process_group()
+    B._init_fake(32768, 3)
+    problems: list = []
+    done = _transitions("dtshard", problems)
+    _transitions("torch", problems)  # PyTorch's DTensor on the same fake world: the same shards
     dist.destroy_process_group()  # the model case starts its own world
     model = B.cell_model("dtshard", 32768, 3, 300.0)
     return {"problems": problems, "transitions": done, "model": sorted(k for k in model if k.endswith("_s"))}

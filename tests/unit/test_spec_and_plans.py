@@ -18,6 +18,8 @@ from dtshard.spec import DTensorSpec, chunk_sizes, local_shape_and_offset, norma
 class FakeMesh:
     """Enough of a DeviceMesh for metadata-only planning (no process group)."""
 
+    device_type = "cpu"
+
     def __init__(self, *shape):
         self.shape = shape
         self.ndim = len(shape)
