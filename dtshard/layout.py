@@ -451,6 +451,8 @@ def exchange_plan(shape, mesh_shape, src, dst, dims: Sequence[int], coord, red: 
     dst_shape = tuple(_ivs_len(iv) for iv in mine_t)
     sends: dict[int, list[Transfer]] = {}  # by group index; most members get nothing
     recvs: dict[int, list[Transfer]] = {}
+    # one term of each element per coordinate on ``red``: a receiver hears from every one of them
+    # (linear in the reduced group, which the collective spans anyway; never the whole mesh)
     red_coords = list(itertools.product(*(range(mesh_shape[i]) for i in red)))
 
     # what I receive: per tensor dim, the source pieces (over the group's source-sharding dims)
@@ -498,6 +500,8 @@ def exchange_plan(shape, mesh_shape, src, dst, dims: Sequence[int], coord, red: 
         boxes = _transfers(mine_s, tuple(ivs for _, ivs in combo))
         if not boxes:
             continue
+        # every coordinate on a loose dim receives this piece (it shards nothing in the target):
+        # linear in those dims of the group, the receivers themselves
         for sub in itertools.product(*(range(mesh_shape[i]) for i in loose)):
             for i, c in zip(loose, sub):
                 peer[i] = c
