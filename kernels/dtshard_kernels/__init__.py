@@ -33,6 +33,13 @@ region is a graph break).
 
 from __future__ import annotations
 
+# The package lives in kernels/dtshard_kernels/ of the repository; kernels/ is no package, but from the
+# repository root (without PyPI's `kernels` installed) Python would still import this folder as
+# `kernels.dtshard_kernels`: a second copy whose torch.library ops would clash with the first.
+if __name__ != "dtshard_kernels":
+    raise ImportError(f"{__name__}: import this package as `dtshard_kernels` (pip install -e . in the "
+                      "repository root installs it under that name), never through the kernels/ folder")
+
 import importlib
 import os
 import warnings

@@ -19,7 +19,7 @@ import dtshard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # source folder -> the import name it installs as
-SOURCE_TREES = {"dtshard": "dtshard", "dtshard_kernels": "dtshard_kernels"}
+SOURCE_TREES = {"dtshard": "dtshard", "kernels/dtshard_kernels": "dtshard_kernels"}
 
 
 def _source_modules() -> set[str]:
@@ -81,3 +81,96 @@ def test_wheel_holds_every_source_module_and_one_version(tmp_path):
 
 def test_version_is_the_installed_distributions():
     assert dtshard.__version__ == importlib.metadata.version("dtshard")
+
+
+# -- the layout: kernels/ at the top level, never an importable `kernels` ---------------------------
+#
+# The repository's top level has a folder kernels/ (holding the package dtshard_kernels), and
+# `kernels` is also the import name of a PyPI distribution that transformers imports when it finds
+# it. Any Python started in the repository root has that root first on sys.path, so kernels/ must
+# never be a package (kernels/__init__.py, or a module kernels.py): it would shadow PyPI's.
+
+_PROBE = r"""
+import importlib.util, json, os, sys
+root = os.path.realpath(os.getcwd())
+def ours(path):
+    return path is not None and os.path.realpath(path).startswith(root + os.sep)
+out = {}
+spec = importlib.util.find_spec("kernels")
+out["regular_kernels_is_ours"] = spec is not None and ours(spec.origin)
+import kernels
+out["kernels_mark"] = getattr(kernels, "MARK", None)
+out["kernels_file_is_ours"] = ours(getattr(kernels, "__file__", None))
+try:
+    import kernels.dtshard_kernels
+    out["second_copy"] = kernels.dtshard_kernels.__file__
+except ImportError as e:
+    out["second_copy"] = None
+    out["second_copy_error"] = str(e)
+import dtshard_kernels, dtshard_kernels.reference
+out["dtshard_kernels"] = dtshard_kernels.__name__
+print(json.dumps(out))
+"""
+
+_TRANSFORMERS_PROBE = r"""
+import importlib.metadata, json, os, sys
+root = os.path.realpath(os.getcwd())
+import transformers
+from transformers import LlamaConfig
+from transformers.utils import import_utils
+LlamaConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16)
+available = import_utils.is_kernels_available()   # transformers' own probe of the optional `kernels`
+try:
+    importlib.metadata.version("kernels")
+    installed = True
+except importlib.metadata.PackageNotFoundError:
+    installed = False
+loaded = sys.modules.get("kernels")
+loaded_file = getattr(loaded, "__file__", None)
+print(json.dumps({"available": available, "installed": installed,
+                  "loaded_is_ours": loaded_file is not None and os.path.realpath(loaded_file).startswith(root + os.sep)}))
+"""
+
+
+def _probe(code: str, extra_path: str | None = None) -> dict:
+    import json
+
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    if extra_path:
+        env["PYTHONPATH"] = extra_path
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, f"probe from the repository root failed:\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_kernels_folder_never_shadows_pypi_kernels(tmp_path):
+    assert os.path.isdir(os.path.join(ROOT, "kernels", "dtshard_kernels")), "the kernels live in kernels/dtshard_kernels/"
+    for shadow in ("kernels/__init__.py", "kernels.py", "dtshard_kernels"):
+        assert not os.path.exists(os.path.join(ROOT, shadow)), f"{shadow} in the repository root"
+    assert not [f for f in os.listdir(os.path.join(ROOT, "kernels")) if f.endswith(".py")], \
+        "a module in kernels/ is importable as kernels.<name> from the repository root"
+
+    # a stand-in for PyPI's `kernels` (a regular package, later on sys.path than the root): it must win
+    fake = tmp_path / "site" / "kernels"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('MARK = "pypi"\n')
+    got = _probe(_PROBE, str(tmp_path / "site"))
+    assert got["kernels_mark"] == "pypi" and not got["kernels_file_is_ours"], got
+    assert not got["regular_kernels_is_ours"], got
+    assert got["second_copy"] is None, got
+    assert got["dtshard_kernels"] == "dtshard_kernels"
+
+    # without it (whatever this venv has): `kernels` is never a package of ours, and reaching our code
+    # through the folder (`kernels.dtshard_kernels`, a second copy) is refused
+    got = _probe(_PROBE)
+    assert not got["regular_kernels_is_ours"] and not got["kernels_file_is_ours"], got
+    assert got["second_copy"] is None, got
+
+
+def test_transformers_imports_from_the_repository_root():
+    got = _probe(_TRANSFORMERS_PROBE)
+    assert not got["loaded_is_ours"], got
+    # transformers sees the `kernels` distribution exactly when one is installed, never our folder
+    assert got["available"] <= got["installed"], got
