@@ -1,8 +1,9 @@
 """What the benchmark scripts share.
 
 - :func:`import_this_checkout`: import THIS checkout's dtshard and dtshard_kernels (works from a
-  fresh clone, installed or not): the repository root goes first on ``sys.path``, even when
-  another checkout is pip-installed (editable);
+  fresh clone, installed or not): the repository root (``dtshard/``) and its ``kernels/`` folder
+  (``kernels/dtshard_kernels/``) go first on ``sys.path``, even when another checkout is
+  pip-installed (editable);
 - :func:`free_port`: a free TCP port on 127.0.0.1 for a benchmark's process-group store;
 - :func:`own_cores` / :func:`bind_threads`: each rank on cores of its own, as a launcher binding
   ranks with ``taskset`` / ``numactl`` would (an unbound gloo rank can wait milliseconds for the
@@ -16,11 +17,14 @@ import socket
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: the folders that hold this checkout's import packages: dtshard/ and kernels/dtshard_kernels/
+CHECKOUT_PATHS = (ROOT, os.path.join(ROOT, "kernels"))
 
 
 def import_this_checkout():
-    if ROOT not in sys.path:
-        sys.path.insert(0, ROOT)
+    for path in reversed(CHECKOUT_PATHS):
+        if path not in sys.path:
+            sys.path.insert(0, path)
     import dtshard
 
     return dtshard

@@ -54,8 +54,9 @@ from _checkout import free_port  # noqa: E402  (benchmarks/: run as a script)
 
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+for _path in (os.path.join(_ROOT, "kernels"), _ROOT):  # this checkout's dtshard_kernels and dtshard
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
 WORLD = 2
 DEFAULT_VARIANTS = "dtshard:S2,dtshard:S3,dtshard:S0,torch:S0,torch:S3,torch:S2"

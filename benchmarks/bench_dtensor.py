@@ -1293,14 +1293,14 @@ def _spin(I, mesh, args, rank):
 
 
 def _git_state():
-    """'<short sha>' of the checkout, '+dirty' when dtshard/ or dtshard_kernels/ have local changes."""
+    """'<short sha>' of the checkout, '+dirty' when dtshard/ or kernels/ have local changes."""
     import subprocess
 
     root = os.path.dirname(HERE)
     try:
         sha = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--", "dtshard", "dtshard_kernels"],
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--", "dtshard", "kernels"],
                                capture_output=True, text=True, timeout=10).stdout.strip()
         return (sha or "?") + ("+dirty" if dirty else "")
     except Exception:  # noqa: BLE001

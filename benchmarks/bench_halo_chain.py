@@ -34,8 +34,9 @@ from _checkout import free_port  # noqa: E402  (benchmarks/: run as a script)
 
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+for _path in (os.path.join(_ROOT, "kernels"), _ROOT):  # this checkout's dtshard_kernels and dtshard
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
 
 def _chain(c: int, layers: int) -> nn.Sequential:

@@ -34,6 +34,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "kernels"))  # this checkout's dtshard_kernels
 sys.path.insert(0, os.path.dirname(HERE))  # this checkout's dtshard
 
 CONFIGS = {

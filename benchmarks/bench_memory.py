@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Peak EXTRA host memory of dtshard's redistribute and spatially sharded conv2d, per rank, on
 gloo CPU ranks, next to ``torch.distributed.tensor`` and the bare collectives.  One command, from
-the repository root (no install needed: this checkout's ``dtshard/`` and ``dtshard_kernels/`` are used):
+the repository root (no install needed: this checkout's ``dtshard/`` and ``kernels/dtshard_kernels/`` are used):
 
     python benchmarks/bench_memory.py                       # 16 and 64 MiB tensors, 2 ranks (~2-3 min)
     python benchmarks/bench_memory.py --sizes 16 --conv-shapes 2,16,256,256
@@ -112,8 +112,9 @@ import warnings
 from datetime import timedelta
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+for _path in (os.path.join(_ROOT, "kernels"), _ROOT):  # this checkout's dtshard_kernels and dtshard
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
 MMAP_THRESHOLD = "65536"
 MiB = 1 << 20

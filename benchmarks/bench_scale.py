@@ -508,11 +508,13 @@ DTSHARD_ROOT = [None]
 
 def import_dtshard():
     """This checkout's dtshard, or the one under ``--dtshard-root`` (e.g. an export of an older
-    commit: ``git archive acf9d5f dtshard dtshard_kernels | tar -x -C /tmp/base``)."""
+    commit: ``git archive acf9d5f dtshard dtshard_kernels | tar -x -C /tmp/base``; from a commit after
+    #56 moved the kernels: ``git archive <commit> dtshard kernels``)."""
     root = DTSHARD_ROOT[0]
     if root is None:
         return import_this_checkout()
-    sys.path.insert(0, os.path.abspath(root))
+    for path in (os.path.join(os.path.abspath(root), "kernels"), os.path.abspath(root)):
+        sys.path.insert(0, path)  # an export from before #56 has dtshard_kernels/ at its top level
     import dtshard
 
     where = os.path.dirname(os.path.dirname(os.path.abspath(dtshard.__file__)))
@@ -528,7 +530,7 @@ def _git_state(root: str) -> str:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
                                 text=True, check=True).stdout.strip()
-        diff = subprocess.run(["git", "diff", "HEAD", "--", "dtshard", "dtshard_kernels"], cwd=root,
+        diff = subprocess.run(["git", "diff", "HEAD", "--", "dtshard", "kernels"], cwd=root,
                               capture_output=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return "no git"

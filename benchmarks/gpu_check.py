@@ -57,7 +57,7 @@ the budget, 2 none failed but a performance target was missed.
     bash benchmarks/gpu_check.sh --only 2-bw,2-bench   # sections whose name starts with these
     bash benchmarks/gpu_check.sh --budget 300 --with-cpu --json /tmp/gpu_check.json
 
-This checkout's ``dtshard`` and ``dtshard_kernels`` (its root first on ``PYTHONPATH``) are used,
+This checkout's ``dtshard`` and ``dtshard_kernels`` (its root and ``kernels/`` first on ``PYTHONPATH``) are used,
 installed or not.
 """
 
@@ -961,7 +961,7 @@ def main(argv=None) -> int:
 
     tmp = tempfile.mkdtemp(prefix="gpu_check_")
     base_env = dict(os.environ)
-    base_env["PYTHONPATH"] = os.pathsep.join([ROOT, HERE] + [v for v in [os.environ.get("PYTHONPATH")] if v])
+    base_env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "kernels"), HERE] + [v for v in [os.environ.get("PYTHONPATH")] if v])
     base_env.pop("DTSHARD_KERNELS", None)  # section 4 sets it; the others use the default (auto)
     base_env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     base_env.setdefault("NCCL_SOCKET_IFNAME", "lo")

@@ -35,6 +35,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "distributed"))
+sys.path.insert(0, os.path.join(ROOT, "kernels"))  # this checkout's dtshard_kernels
 sys.path.insert(0, ROOT)
 
 import test_context_parallel as T  # noqa: E402

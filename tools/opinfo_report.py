@@ -34,6 +34,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "opinfo"))
+sys.path.insert(0, os.path.join(ROOT, "kernels"))  # this checkout's dtshard_kernels
 sys.path.insert(0, ROOT)
 
 import _opinfo_sweep as S  # noqa: E402
