@@ -1,5 +1,7 @@
 """Debugging views: what moved (CommCounter), which plan each op took (explain), copy passes.
 
+For example::
+
     with dtshard.debug.CommCounter() as comm:
         y = model(x)
     print(comm.summary())                 # per op: collective kind, mesh dim, bytes

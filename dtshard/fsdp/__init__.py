@@ -1,5 +1,7 @@
 """``dtshard.fsdp``: fully sharded data parallelism with PyTorch 2.13's FSDP2 API.
 
+For example::
+
     from dtshard.fsdp import fully_shard, MixedPrecisionPolicy
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
