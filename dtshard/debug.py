@@ -120,6 +120,7 @@ class CommCounter:
         return sum(1 for r in self.records if kind is None or r.kind == kind)
 
     def bytes(self, kind: str | None = None, mesh_dim: int | None = None) -> int:
+        """Bytes this rank sent in the recorded collectives, optionally of one ``kind`` and on one ``mesh_dim``."""
         return sum(
             r.nbytes for r in self.records
             if (kind is None or r.kind == kind) and (mesh_dim is None or r.mesh_dim == mesh_dim)
@@ -130,6 +131,7 @@ class CommCounter:
         return sum(r.recv_bytes for r in self.records if kind is None or r.kind == kind)
 
     def kinds(self) -> list[str]:
+        """The kind of every recorded collective, in the order they were issued."""
         return [r.kind for r in self.records]
 
     # ---- the query methods of torch.distributed.tensor.debug.CommDebugMode ------------------
@@ -160,6 +162,7 @@ class CommCounter:
                 self._sharding_info[f"{name}.{param_name}"] = param.data.placements
 
     def by_op(self) -> dict[str, dict[str, int]]:
+        """Per op that issued collectives (``"<redistribute>"`` for explicit calls): how many of each kind."""
         out: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         for r in self.records:
             out[r.op][r.kind] += 1

@@ -341,8 +341,10 @@ def scoped_handlers(mapping: dict) -> Iterator[None]:
 
 
 def get_entry(op: torch._ops.OpOverload) -> RuleEntry | None:
+    """The registered rule or handler of ``op`` (a :class:`RuleEntry`), or None when it has neither."""
     return _entries.get(op)
 
 
 def registered_ops() -> list[torch._ops.OpOverload]:
+    """Every op overload with a rule or a handler, in registration order."""
     return list(_entries)

@@ -138,6 +138,7 @@ class RankFailure:
     traceback: str = ""
 
     def format(self) -> str:
+        """The failure as text: rank, kind, summary and the remote traceback."""
         text = f"--- rank {self.rank} ({self.kind}): {self.summary}"
         if self.traceback:
             text += "\n" + self.traceback.rstrip()
@@ -161,6 +162,7 @@ class DistributedTestError(AssertionError):
 
     @property
     def failed_ranks(self) -> list[int]:
+        """The ranks that failed, sorted."""
         return sorted(self.failures)
 
 

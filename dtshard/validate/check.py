@@ -60,6 +60,7 @@ class Finding:
     sample: Sample
 
     def text(self) -> str:
+        """One line: the op, the mesh, the global shapes, the strategy (inputs -> outputs) and why it failed or is missing."""
         shapes = [tuple(t.shape) for t in sample_tensors(self.sample)]
         return (f"{self.op} on mesh {self.mesh_shape}, global shapes {shapes}: "
                 f"{' '.join(placements_str(p) for p in self.ins)} -> "
@@ -84,6 +85,7 @@ class OpReport:
     unplannable: str = ""  # why the planner cannot plan the op on a sample (the op's own limit)
 
     def line(self) -> str:
+        """The op's line of the report: choices claimed, correct, incorrect, rejected, skipped, missing, samples, seconds."""
         if self.note:
             return f"{str(self.op):48s} {self.note}"
         return (f"{str(self.op):48s} claimed {self.claimed:5d}  correct {self.correct:5d}  "

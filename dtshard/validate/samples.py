@@ -157,6 +157,7 @@ class SampleSource:
                 yield o, dtype
 
     def capture(self, name_filter: Callable[[str], bool] | None = None) -> None:
+        """Run PyTorch's OpInfo samples (those whose name passes ``name_filter``) under a dispatch mode and keep each aten call they make (and, with ``backward``, the calls of their backward) as samples of that op."""
         for o, dtype in self._opinfos():
             key = (o.name, o.variant_test_name)
             if key in self._done or (name_filter is not None and not name_filter(o.name)):
@@ -165,6 +166,7 @@ class SampleSource:
             _run_opinfo(o, dtype, self.per_op, self.backward, self._sink)
 
     def samples(self, op) -> list[Sample]:
+        """The samples of ``op``: captured OpInfo calls, else ``OWN_SAMPLES``, else ones built from its schema (at most ``per_op``)."""
         stem = op._overloadpacket.__name__.strip("_").removesuffix("_backward").removeprefix("special_")
         if op not in self.found and op.namespace == "aten":  # OpInfos run aten ops only
             self.capture(lambda name: stem in name.replace(".", "_"))
