@@ -14,7 +14,6 @@ dim 1 then splits each of those chunks, and so on.
 from __future__ import annotations
 
 import functools
-import threading
 import weakref
 from dataclasses import dataclass
 from typing import Sequence
@@ -785,90 +784,35 @@ class DTensorSpec:
 _ITEMSIZE: dict[torch.dtype, int] = {}
 
 
-def mesh_key(mesh) -> int:
-    """``mesh``'s class under PyTorch's ``DeviceMesh.__eq__`` as a small int: two meshes get the
-    same key exactly when they hold the same ranks in the same layout, with the same dim names, the
-    same device type (and, as in PyTorch, were made on the same thread), whatever process groups
-    each owns (two ``init_device_mesh`` calls with one layout, FSDP's default mesh made twice).
-    Every check whether two DTensors share a mesh asks this (:func:`same_mesh`).  An object that is
-    not a ``DeviceMesh`` (a test's stand-in) is its own class.  Cached per object."""
-    hit = _mesh_keys.get(id(mesh))
-    if hit is not None and hit[0]() is mesh:
-        return hit[1]
-    hash_key = getattr(mesh, "_hash_key", None)
-    try:
-        eq = hash_key() if hash_key is not None else None
-        key = _mesh_classes.get(eq) if eq is not None else -1 - id(mesh)  # no class: the object itself
-    except TypeError:  # an unhashable layout (a stand-in mesh): the object itself
-        eq, key = None, -1 - id(mesh)
-    if key is None:
-        with _mesh_classes_lock:  # ranks run as threads in PyTorch's tests: one int per class
-            key = _mesh_classes.setdefault(eq, len(_mesh_classes))
-    _cache_per_mesh(_mesh_keys, mesh, key)
-    return key
-
-
-def same_mesh(a, b) -> bool:
-    """Are ``a`` and ``b`` one mesh for an op's inputs, a gradient and its leaf, a redistribute?
-    PyTorch's answer (``a == b``): same ranks in the same layout, dim names and device type."""
-    return a is b or mesh_key(a) == mesh_key(b)
-
-
-def mesh_str(mesh) -> str:
-    """``mesh`` for an error message: shape, dim names, device type and its ranks (the first 16 of
-    a large mesh), everything ``same_mesh`` compares."""
-    try:
-        from torch.utils._python_dispatch import _disable_current_modes
-
-        with _disable_current_modes():  # the rank table is a real tensor; a fake mode may be on
-            ranks = mesh.mesh.flatten()[:17].tolist()
-        ranks_s = ", ".join(map(str, ranks[:16])) + (", ..." if len(ranks) > 16 else "")
-    except Exception:  # noqa: BLE001 - a stand-in mesh without a rank table
-        ranks_s = "?"
-    return (f"{tuple(mesh.shape)} {getattr(mesh, 'mesh_dim_names', None)} on "
-            f"{getattr(mesh, 'device_type', '?')} ranks [{ranks_s}]")
-
-
 def mesh_identity(mesh) -> tuple:
-    """What makes two mesh objects interchangeable inside a cache: the same mesh
-    (:func:`mesh_key`) AND the same process groups.
+    """What makes two mesh objects the same mesh: layout AND process groups.
 
-    Two ``init_device_mesh`` calls with one layout are one mesh (:func:`same_mesh`) but own
-    different process groups; a spec, and so every cached plan, keeps the groups its collectives
-    run on, so specs on them differ (each gets its own plan; an op mixing them is planned on its
-    first input's mesh).  A deepcopy (compile guards make them) keeps the groups.  Cached per
-    object."""
+    Two ``init_device_mesh`` calls with one layout compare equal in PyTorch but own different
+    process groups; a deepcopy (compile guards make them) keeps the groups.  Cached per object.
+    """
     hit = _mesh_ids.get(id(mesh))
     if hit is not None and hit[0]() is mesh:
         return hit[1]
-    names = getattr(mesh, "_dim_group_names", None)
-    ident = (mesh_key(mesh), tuple(names) if names is not None else ())
-    _cache_per_mesh(_mesh_ids, mesh, ident)
+    try:
+        names = getattr(mesh, "_dim_group_names", None)
+        ident = (hash(mesh), tuple(names) if names is not None else ())
+    except TypeError:
+        ident = (tuple(mesh.shape), id(mesh))
+    key = id(mesh)
+
+    def drop(ref):  # a freed mesh leaves the cache (slicing makes a new mesh object every time)
+        hit = _mesh_ids.get(key)
+        if hit is not None and hit[0] is ref:
+            del _mesh_ids[key]
+
+    try:
+        _mesh_ids[key] = (weakref.ref(mesh, drop), ident)
+    except TypeError:  # not weak-referenceable: do not cache
+        pass
     return ident
 
 
-def _cache_per_mesh(cache: dict, mesh, value) -> None:
-    """``cache[id(mesh)] = (weak reference, value)``; a freed mesh leaves the cache (slicing makes
-    a new mesh object every time).  A mesh that cannot be weakly referenced is not cached."""
-    key = id(mesh)
-
-    def drop(ref):
-        hit = cache.get(key)
-        if hit is not None and hit[0] is ref:
-            del cache[key]
-
-    try:
-        cache[key] = (weakref.ref(mesh, drop), value)
-    except TypeError:
-        pass
-
-
 _mesh_ids: dict[int, tuple] = {}
-_mesh_keys: dict[int, tuple] = {}
-#: PyTorch's equality key of every mesh seen (``DeviceMesh._hash_key()``: rank map, layout, device
-#: type, dim names, thread) -> its small int; one entry per distinct mesh, not per mesh object
-_mesh_classes: dict[tuple, int] = {}
-_mesh_classes_lock = threading.Lock()
 
 
 def _itemsize(dtype: torch.dtype) -> int:

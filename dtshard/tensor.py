@@ -24,7 +24,7 @@ from dtshard import hooks
 from dtshard._config import config
 from dtshard.dispatch import bind_tensor_class, resolved_local, torch_dispatch
 from dtshard.redistribute import redistribute_local
-from dtshard.spec import (DTensorSpec, TensorMeta, contiguous_strides, global_stride_from_local, is_shard, same_mesh, normalize_placements,
+from dtshard.spec import (DTensorSpec, TensorMeta, contiguous_strides, global_stride_from_local, is_shard, mesh_identity, normalize_placements,
                           placements_equal, placements_str)
 
 __all__ = ["DTensor", "mesh_or_current", "op_output", "reject_distributed_input"]
@@ -83,7 +83,7 @@ def _grad_as_dtensor(spec: DTensorSpec, grad: torch.Tensor):
         return None
     if isinstance(grad, DTensor):
         out = grad
-        if not same_mesh(grad._spec.mesh, spec.mesh):
+        if grad._spec.mesh is not spec.mesh and mesh_identity(grad._spec.mesh) != mesh_identity(spec.mesh):
             out = _onto_sub_mesh(grad, spec.mesh, "the gradient of a leaf DTensor")
         accumulates, node = _accumulating_node()
         if accumulates:
@@ -173,7 +173,7 @@ def _reopenable(grad, new) -> bool:
     if gs.has_strided or ns.has_strided or not C.is_member(gs.mesh):
         return False
     if gs.extra is not None or ns.extra is not None or gs.shape != ns.shape or gs.dtype != ns.dtype \
-            or not same_mesh(gs.mesh, ns.mesh) or "_dtshard_settles_into" in grad.__dict__:
+            or mesh_identity(gs.mesh) != mesh_identity(ns.mesh) or "_dtshard_settles_into" in grad.__dict__:
         return False
     g_local, n_local = grad._local_tensor, new._local_tensor
     if type(g_local) is not torch.Tensor or type(n_local) is not torch.Tensor or g_local.shape != n_local.shape \
@@ -368,7 +368,7 @@ class DTensor(torch.Tensor):
                 "(every rank holding the full tensor) or dtshard.DTensor.from_local(t, mesh, placements) (this "
                 "rank's shard), or copy the values in place: `with torch.no_grad(): x.copy_(...)`.")
         spec = new._spec
-        if not same_mesh(spec.mesh, self._spec.mesh):
+        if spec.mesh is not self._spec.mesh and mesh_identity(spec.mesh) != mesh_identity(self._spec.mesh):
             raise ValueError(
                 f"dtshard: `.data = ` on a DTensor on mesh {tuple(self._spec.mesh.shape)} "
                 f"{self._spec.mesh.mesh_dim_names} got one on mesh {tuple(spec.mesh.shape)} {spec.mesh.mesh_dim_names}: "
@@ -467,7 +467,7 @@ class DTensor(torch.Tensor):
             return _drop_extra(self).__coerce_same_metadata_as_tangent__(flatten_spec, expected_type)
         if spec.placements == self._spec.placements and spec.extra == self._spec.extra:
             return self
-        if not same_mesh(spec.mesh, self._spec.mesh):
+        if spec.mesh is not self._spec.mesh and mesh_identity(spec.mesh) != mesh_identity(self._spec.mesh):
             # a gradient computed on the activations' larger mesh for an output on a sub-mesh (a
             # tensor-parallel parameter that FSDP gathered inside the compiled region)
             return _onto_sub_mesh(self, spec.mesh, "the gradient of a compiled region's output") \
@@ -586,7 +586,7 @@ class DTensor(torch.Tensor):
         mesh = self._spec.mesh
         # under torch.compile the mesh argument is an opaque proxy: the tensor's own mesh rules
         if device_mesh is not None and device_mesh is not mesh and not torch.compiler.is_compiling() \
-                and not same_mesh(device_mesh, mesh):
+                and mesh_identity(device_mesh) != mesh_identity(mesh):
             raise ValueError(
                 f"redistribute: moving a DTensor of shape {tuple(self.shape)} to another mesh "
                 f"({tuple(mesh.shape)} -> {tuple(device_mesh.shape)}) is not supported; "
@@ -827,7 +827,7 @@ class _FromLocal(torch.autograd.Function):
         spec = ctx.spec
         if not isinstance(grad, DTensor):  # built by autograd from metadata (zeros): the global value
             grad = _promote_plain(grad, spec.mesh, shape=spec.shape, what="the gradient of DTensor.from_local")
-        elif not same_mesh(grad._spec.mesh, spec.mesh):
+        elif grad._spec.mesh is not spec.mesh and mesh_identity(grad._spec.mesh) != mesh_identity(spec.mesh):
             grad = _onto_sub_mesh(grad, spec.mesh, "the gradient of DTensor.from_local")
         target = ctx.grad_placements or _grad_placements(spec.placements)
         if grad._spec.placements != target:
