@@ -48,7 +48,11 @@ query's layout (``out`` and ``logsumexp`` sequence-sharded), whatever strategy r
   size): q, k, v move their ``i1`` shards from the sequence to the heads (Ulysses, one all_to_all
   each), the call runs again with the sequence on ``i0`` alone (any strategy above, by cost, the
   heads staying sharded on ``i1``), and the results move back.  Ulysses' traffic stays inside the
-  inner (fast) group; the outer groups pass K/V blocks of ``Hkv/n1`` heads.
+  inner (fast) group; the outer groups pass K/V blocks of ``Hkv/n1`` heads.  With fewer KV heads
+  than that (multi-query attention), a Ulysses step would replicate KV heads: K and V are
+  gathered over both dims instead (allgather_kv on the flattened pair: each element received
+  once, ``(N-1)/N`` of K and V; backward dK/dV reduce_scattered over the outer then the inner
+  dim, ``(N-1)/N`` again).
 
 **Masks.**  Every strategy takes an attention mask that every rank holds whole and identical: a
 plain tensor or a DTensor replicated on every mesh dim (its local tensor), additive in q's dtype
@@ -65,9 +69,12 @@ Replicate DTensor.  mask_kv's table (which keys each rank's rows need: an entry 
 HF-style ``finfo.min`` mask needs every key) is read from the whole mask ONCE per mask (cached by
 the tensor's identity, version counter and layout, 8 entries; ``mask_table_stats`` counts the
 reads): pass an additive mask of q's dtype to have it read once across calls, a boolean one is
-read on every forward (its backward reuses it).  While tracing (torch.compile: fake or functional
-tensors, or any dispatch mode) the values cannot be read, mask_kv does not apply, and the others
-run with the mask sliced.
+read on every forward (its backward reuses it).  While tracing (torch.compile, fake, meta,
+functional or symbolic-shaped masks, a fake / proxy / functionalization mode on the stack:
+:func:`values_readable`) the values cannot be read, mask_kv does not apply, and the others run
+with the mask sliced.  Any other dispatch mode (CommDebugMode, FlopCounterMode, a user's counter
+that defers to tensor subclasses) only watches: the same plan and collectives as without it, the
+table read with the modes off.
 
 **Agreement.**  Every collective's sizes follow from data every rank shares: global shapes, and
 for mask_kv the table, which every rank computes from its copy of the same mask, so the
@@ -101,8 +108,10 @@ import weakref
 from collections import OrderedDict
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
-from torch._subclasses.fake_tensor import is_fake
+from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+from torch._subclasses.functional_tensor import FunctionalTensorMode
+from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 
 from dtshard import collectives as C
@@ -111,7 +120,7 @@ from dtshard.handlers import DTensor, bind, make_spec, meta_run, op_context, pla
 from dtshard.registry import op_facts, register_handler
 from dtshard.rules.attention import CUDA_BWD, CUDA_FWD
 
-__all__ = ["choose_strategy", "mask_table_stats"]
+__all__ = ["choose_strategy", "mask_table_stats", "unwatched", "values_readable"]
 
 aten = torch.ops.aten
 _FWD = aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -324,6 +333,44 @@ def _usp_dims(q, k, v) -> tuple[int, int] | None:
     i1)`` of q, k, v alike, every other mesh dim replicating or sharding the batch, and the query
     and key/value heads divisible by the inner dim's size: the inner dim's sequence shards move to
     heads (Ulysses), and the outer dim runs a single-dim strategy on what is left."""
+    dims = _two_seq_dims(q, k, v)
+    if dims is None:
+        return None
+    n1, h = q._spec.mesh_shape[dims[1]], q.dim() - 3
+    if q.shape[h] % n1 or k.shape[h] % n1:
+        return None
+    return dims
+
+
+def _two_dims_plan(q, k, v, dropout_p, attn_mask):
+    """The sequence on two mesh dims: ``("usp", dims)`` (Ulysses on the inner dim x a single-dim
+    strategy on the outer one) where the heads divide the inner dim's size; else ``("flat",
+    dims)``: K and V gathered over both dims once, with their own heads (multi-query attention
+    with fewer KV heads than the inner dim: a Ulysses step would have to replicate the KV heads),
+    each rank's query rows attended to them (allgather_kv on the flattened group) while
+    ``config.attention_cp`` is "auto" or "allgather_kv" and the whole K/V fits
+    ``config.attention_cp_gather_bytes``; None: not this layout (or the rule's path)."""
+    if dropout_p or attn_mask is not None:
+        return None
+    dims = _two_seq_dims(q, k, v)
+    if dims is None:
+        return None
+    if _usp_dims(q, k, v) is not None:
+        return "usp", dims
+    if config.attention_cp not in ("auto", "allgather_kv"):
+        return None
+    other = 1
+    for j, p in enumerate(q._spec.placements):
+        if j not in dims and type(p) is Shard:
+            other *= q._spec.mesh_shape[j]
+    if (k.numel() + v.numel()) * k.element_size() / other > config.attention_cp_gather_bytes:
+        return None
+    return "flat", dims
+
+
+def _two_seq_dims(q, k, v) -> tuple[int, int] | None:
+    """The two mesh dims that shard the sequence (plain ``Shard``) of q, k, v alike, every other
+    mesh dim replicating or sharding the batch; None for any other layout."""
     if not (type(q) is DTensor and type(k) is DTensor and type(v) is DTensor) or q.dim() < 3:
         return None
     sq = q._spec
@@ -340,10 +387,42 @@ def _usp_dims(q, k, v) -> tuple[int, int] | None:
             continue
         if not (type(p) is Shard and p.dim < seq - 1 and q.shape[p.dim] == k.shape[p.dim] == v.shape[p.dim]):
             return None
-    n1 = sq.mesh_shape[dims[1]]
-    if q.shape[seq - 1] % n1 or k.shape[seq - 1] % n1 or k.shape[seq - 1] != v.shape[seq - 1]:
+    if k.shape[seq - 1] != v.shape[seq - 1]:
         return None
     return dims[0], dims[1]
+
+
+def _flat_forward(kern, q, k, v, dims, causal, scale):
+    """allgather_kv over the flattened pair of sequence mesh dims ``dims``: K and V gathered over
+    both (their own heads, each element received once), this rank's query rows (a contiguous run
+    of the sequence) attended to them, keys after a causal row never computed."""
+    full = tuple(Replicate() if j in dims else p for j, p in enumerate(q._spec.placements))
+    kl, vl = to_local(k, full), to_local(v, full)
+    ql = q._local_tensor
+    merge = _Merge(ql, v.shape[-1], _lse_dtype(q.dtype))
+    _forward_block(kern, merge, ql, kl, vl, _runs(q, dims[0]), ((0, k.shape[-2]),), causal, scale)
+    return merge.result()
+
+
+def _flat_backward(kern, g, q, k, v, out, lse, dims, causal, scale):
+    """The backward of :func:`_flat_forward`: K and V gathered again, each rank's rows' gradients
+    against every key, dK and dV reduced to their owners (a reduce_scatter over both dims)."""
+    placements = q._spec.placements
+    full = tuple(Replicate() if j in dims else p for j, p in enumerate(placements))
+    kl, vl = to_local(k, full), to_local(v, full)
+    dq = torch.zeros_like(q._local_tensor)
+    dk, dv = torch.zeros_like(kl), torch.zeros_like(vl)
+    _backward_block(kern, (dq, dk, dv), g._local_tensor, q._local_tensor, kl, vl, out._local_tensor,
+                    lse._local_tensor, _runs(q, dims[0]), ((0, k.shape[-2]),), causal, scale)
+    partial = tuple(Partial("sum") if j in dims else p for j, p in enumerate(placements))
+    # the outer dim first (a reduce_scatter to its halves), then the inner one within them: each
+    # rank receives (n-1)/n of dK and dV over the two steps, as the forward's gathers
+    outer = _with(partial, dims[0], placements[dims[0]])
+    grads = []
+    for x, t in ((dk, k), (dv, v)):
+        x = to_local(wrap(x, _spec_like(t, partial)), outer)
+        grads.append(to_local(wrap(x, _spec_like(t, outer)), placements))
+    return dq, grads[0], grads[1]
 
 
 def _bytes(strategy: str, q, k, v, mesh_dim: int, mask=None) -> float | None:
@@ -656,11 +735,37 @@ def _plain_or_traced(t) -> bool:
     return type(t) is torch.Tensor or is_fake(t) or torch._is_functional_tensor(t)
 
 
-def _readable(mask) -> bool:
-    """Can the mask's values be read now (eagerly, not while tracing: a table read from traced
-    values would be baked into the graph, or cannot be read at all)?"""
-    return (type(mask) is torch.Tensor and mask.device.type != "meta" and not torch.compiler.is_compiling()
-            and _get_current_dispatch_mode() is None and not is_fake(mask))
+#: the dispatch modes under which a tensor's values cannot be read or must not be: fake tensors
+#: (no data), a tracer that records ops (a table read from the values would be baked into its
+#: graph), functionalization (a tracer's too)
+_TRACING_KEYS = tuple(getattr(torch._C._TorchDispatchModeKey, k) for k in ("FAKE", "PROXY", "FUNCTIONAL"))
+_TRACING_MODES = (FakeTensorMode, ProxyTorchDispatchMode, FunctionalTensorMode)
+
+
+def values_readable(t) -> bool:
+    """Can ``t``'s values be read now, and the plan depend on them?  Not for a tensor with no
+    data (fake, meta), a functional or symbolic-shaped one, nor while anything traces
+    (torch.compile, or a fake / proxy / functionalization mode anywhere on the mode stack).  Any
+    other dispatch mode (CommDebugMode, FlopCounterMode, a user's counter that defers to tensor
+    subclasses) watches a run without changing it: the same plan, the same collectives.  Read the
+    values inside :func:`unwatched` so that such a mode does not see the reading either."""
+    if type(t) is not torch.Tensor or t.device.type == "meta" or is_fake(t) or torch._is_functional_tensor(t):
+        return False
+    if torch.compiler.is_compiling() or any(isinstance(s, torch.SymInt) for s in t.shape):
+        return False
+    if any(torch._C._get_dispatch_mode(key) is not None for key in _TRACING_KEYS):
+        return False
+    return not any(isinstance(m, _TRACING_MODES) for m in _get_current_dispatch_mode_stack())
+
+
+def unwatched():
+    """The dispatch modes off (a reading of values that the plan depends on: an observer's
+    counts must be those of a run without it).  Only after :func:`values_readable`, so no
+    tracing mode is among them."""
+    return _disable_current_modes()
+
+
+_readable = values_readable
 
 
 def _local_mask(mask, q, mesh_dim: int):
@@ -743,6 +848,13 @@ class _MaskTable:
         global keys it receives (global key order, owner by owner), how many from each owner."""
         hit = self._plans.get(me)
         if hit is None:
+            with unwatched():
+                return self._plan(me)
+        return hit
+
+    def _plan(self, me: int):
+        hit = self._plans.get(me)
+        if hit is None:
             a = self.k_chunks[me][0]
             sends, send_counts = [], []
             for r in range(self.n):
@@ -772,7 +884,8 @@ def _mask_table(mask, q, k, mesh_dim: int) -> _MaskTable:
         mask_table_stats["hits"] += 1
         return hit[1]
     mask_table_stats["misses"] += 1
-    table = _MaskTable(mask, q_chunks, k_chunks, k.shape[-2])
+    with unwatched():  # (an observer sees the run, not the planning)
+        table = _MaskTable(mask, q_chunks, k_chunks, k.shape[-2])
     _MASK_TABLES[key] = (weakref.ref(mask), table)
     while len(_MASK_TABLES) > _MASK_TABLES_MAX:
         _MASK_TABLES.popitem(last=False)
@@ -782,8 +895,9 @@ def _mask_table(mask, q, k, mesh_dim: int) -> _MaskTable:
 def _check_mask_agreement(op, mask, q) -> None:
     """``config.attention_cp_check_masks``: raise unless every rank of q's mesh holds the same
     mask (a digest of its bytes, one all_gather_object over the mesh)."""
-    m = mask.contiguous()
-    digest = hashlib.blake2b(m.reshape(-1).view(torch.uint8).numpy().tobytes(), digest_size=16).hexdigest()
+    with unwatched():
+        m = mask.contiguous()
+        digest = hashlib.blake2b(m.reshape(-1).view(torch.uint8).numpy().tobytes(), digest_size=16).hexdigest()
     got = C.all_gather_object_mesh((tuple(m.shape), str(m.dtype), digest), q._spec.mesh)
     if len(set(got)) > 1:
         raise ValueError(
@@ -809,9 +923,16 @@ def sdpa_context_parallel(op, args, kwargs):
     attn_mask, scale, kern = b.get(fam.mask_name), b["scale"], fam.kernel
     if not fam.takes(b, q):
         return planned(op, args, kwargs)
-    usp = _usp_dims(q, k, v) if not dropout_p and attn_mask is None else None
-    if usp is not None:
+    two = _two_dims_plan(q, k, v, dropout_p, attn_mask)
+    if two is not None:
+        how, usp = two
         with op_context(op):
+            if how == "flat":
+                o, lse = _flat_forward(kern, q, k, v, usp, bool(is_causal), scale)
+                out_shape = tuple(q.shape[:-1]) + (v.shape[-1],)
+                o = wrap(o, _spec_like(q, q._spec.placements, out_shape))
+                lse = wrap(lse, _spec_like(q, q._spec.placements, out_shape[:-1], lse.dtype))
+                return fam.outputs(op, args, kwargs, o, lse)
             o, lse = kern(*_to_heads(usp, q, k, v), 0.0, bool(is_causal), scale=scale)  # one sequence dim left
             o, lse = (_from_heads(t, q._spec.placements) for t in (o, lse))
             return fam.outputs(op, args, kwargs, o, lse)
@@ -875,6 +996,9 @@ def sdpa_context_parallel_backward(op, args, kwargs):
     b = fam.bind(op, args, kwargs)
     g = b["grad_out"] if "grad_out" in b else b["grad_out_"]
     q, k, v, out, lse = b["query"], b["key"], b["value"], b["out"], b["logsumexp"]
+    if type(g) is DTensor and type(q) is DTensor and g._spec.mesh is q._spec.mesh and g._spec.extra is None \
+            and g._spec.placements != q._spec.placements and all(type(p) is Replicate for p in g._spec.placements):
+        g = wrap(to_local(g, q._spec.placements), _spec_like(g, q._spec.placements))  # (loss.sum(): a slice)
     dropout_p, is_causal, attn_mask, scale = b["dropout_p"], b["is_causal"], b.get(fam.mask_name), b["scale"]
     wanted = b.get("grad_input_mask")
     if attn_mask is not None and wanted is not None and wanted[3]:
@@ -884,10 +1008,15 @@ def sdpa_context_parallel_backward(op, args, kwargs):
         return planned(op, args, kwargs)
     kern = fam.backward
     n_out = len(op._schema.returns)
-    usp = _usp_dims(q, k, v) if not dropout_p and attn_mask is None else None
-    if usp is not None and all(type(t) is DTensor and t._spec.placements == q._spec.placements
+    two = _two_dims_plan(q, k, v, dropout_p, attn_mask)
+    if two is not None and all(type(t) is DTensor and t._spec.placements == q._spec.placements
                                and t._spec.mesh is q._spec.mesh and t._spec.extra is None for t in (g, out, lse)):
+        how, usp = two
         with op_context(op):
+            if how == "flat":
+                dq, dk, dv = _flat_backward(kern, g, q, k, v, out, lse, usp, bool(is_causal), scale)
+                return (wrap(dq, _spec_like(q, q._spec.placements)), wrap(dk, _spec_like(k, k._spec.placements)),
+                        wrap(dv, _spec_like(v, v._spec.placements))) + (None,) * (n_out - 3)
             grads = kern(*_to_heads(usp, g, q, k, v, out, lse), 0.0, bool(is_causal), scale=scale)
             return tuple(_from_heads(t, q._spec.placements) for t in grads) + (None,) * (n_out - 3)
     i = _seq_mesh_dim(q, k, v) if not dropout_p else None

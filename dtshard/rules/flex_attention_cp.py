@@ -68,10 +68,10 @@ from torch._higher_order_ops.flex_attention import flex_attention_backward as fl
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from torch.nn.attention.flex_attention import create_block_mask, noop_mask
 from torch._subclasses.fake_tensor import is_fake
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from dtshard import collectives as C
 from dtshard.handlers import DTensor, make_spec, mixed_error, op_context, to_local, wrap
+from dtshard.rules.attention_cp import unwatched, values_readable
 
 __all__ = ["flex_attention_dtensor", "needed_keys"]
 
@@ -152,8 +152,9 @@ def _metadata_only(t: torch.Tensor) -> bool:
 
 
 def _concrete(t: torch.Tensor) -> bool:
-    """Real data at hand (not tracing, no mode): the block mask's values may be read."""
-    return type(t) is torch.Tensor and not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
+    """Real data at hand (nothing traces; an observing dispatch mode does not count, see
+    ``attention_cp.values_readable``): the block mask's values may be read."""
+    return values_readable(t)
 
 
 def _chunks(t, mesh_dim: int) -> list[tuple[int, int]]:
@@ -264,7 +265,8 @@ def flex_attention_dtensor(query, key, value, score_mod, block_mask, scale, kern
             return _outputs(q, v, placements, ql.new_empty(tuple(ql.shape[:3]) + (v.shape[-1],)), lse, lse)
         kv_map = None
         if seq and not mask.none and len(seq) == 1 and mask.mask_mod is not noop_mask and _concrete(ql):
-            need = needed_keys(mask, _chunks(q, seq[0]), (b0, b0 + shape[0]))
+            with unwatched():  # (an observer sees the run, not the planning)
+                need = needed_keys(mask, _chunks(q, seq[0]), (b0, b0 + shape[0]))
             if not bool(need.all()):
                 kl, vl, kv_map = _exchange(k, v, seq[0], need)
         if kv_map is None:
