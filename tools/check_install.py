@@ -7,7 +7,8 @@ Run it from a folder outside the checkout (``.ci/run`` does, in a brand-new venv
 the built wheel): it refuses to check a ``dtshard`` imported from a source tree, since that would
 hide a module the wheel forgot. It walks the packages ``dtshard`` and ``dtshard_kernels`` and
 imports every module it finds; a module that fails is named with its error and the exit status
-is 1.
+is 1. It also checks that the distribution installs exactly these two import names (in the
+repository ``dtshard_kernels`` lives in ``kernels/dtshard_kernels/``; no ``kernels`` may ship).
 """
 
 from __future__ import annotations
@@ -56,6 +57,13 @@ def main() -> int:
                 failures.append((name, traceback.format_exc()))
 
     version = importlib.metadata.version("dtshard")
+    # the distribution installs these import names and no other (never `kernels`: the repository's
+    # kernels/ folder holds dtshard_kernels, and `kernels` is a different PyPI distribution's name)
+    tops = {str(f).split("/", 1)[0] for f in importlib.metadata.files("dtshard") or ()
+            if not str(f).split("/", 1)[0].endswith(".dist-info") and not str(f).startswith("..")}
+    if tops != set(PACKAGES):
+        failures.append(("the distribution's top-level names",
+                         f"{sorted(tops)}, expected exactly {sorted(PACKAGES)}\n"))
     dtshard = sys.modules.get("dtshard")  # None when it failed to import (already recorded)
     if dtshard is not None and getattr(dtshard, "__version__", None) != version:
         failures.append(("dtshard.__version__",
