@@ -17,8 +17,13 @@ to) and sorts each one, the all-Replicate choice aside, into
 **Missing** strategies are searched apart, on the first 1-D mesh, for samples of at most three
 inputs, all non-empty floating tensors (see :func:`_searchable`): every input combination of Replicate,
 non-trivial Shard and Partial(sum / max / min) whose local results form the global result under
-some output placement the rule does not claim.  They are valid on the sampled inputs only, so
-they are reported as hints, never counted as incorrect.
+some output placement the rule does not claim.  One sample proves little (``x * x`` maps
+Partial(max) terms to Partial(min) ones whenever every term is negative), so a combination valid
+on the sample is reported only when it also holds on every one of :func:`_challenges`: the sample
+with its signs mixed, negated (each input alone too), made positive, with zeros, with Partial
+max/min terms that tie with or sit just past the value, and on a 1-D mesh of one rank more
+(uneven shards).  What survives is still a hint (checked on samples, not proved), never counted
+as incorrect.
 """
 
 from __future__ import annotations
@@ -198,6 +203,8 @@ class _Case:
         self.values = _deterministic(op)
         self.locals: dict = {}  # the ranks' local inputs, per layout (run_ranks' cache)
         self._wide: list = []
+        self.salt, self.near = 0, False  # which valid Partial terms the ranks get (simulate._term)
+        self._challenges: list | None = None  # the missing-strategy search's, built on first use
 
     def wide(self) -> "_Case | None":
         """The same case in float64 (None when it has no lower-precision float input)."""
@@ -212,7 +219,7 @@ class _Case:
         try:
             with torch.no_grad():
                 return run_ranks(self.fn, self.sample.args, self.sample.kwargs, ins, mesh_shape,
-                                 self.shape_args, out_shapes, outs, self.locals)
+                                 self.shape_args, out_shapes, outs, self.locals, self.salt, self.near)
         except Unbuildable:
             raise
         except Exception as e:  # noqa: BLE001 - a rank that raises is a wrong strategy
@@ -379,8 +386,100 @@ def _searchable(case: _Case) -> bool:
             and all((t.is_floating_point() or t.is_complex()) and t.numel() for t in tensors))
 
 
+def _board_sign(t: torch.Tensor, salt: int) -> torch.Tensor:
+    """+1 / -1 on a checkerboard over ``t`` (every dim alternates)."""
+    idx = sum(torch.arange(n).view([-1 if d == k else 1 for d in range(t.ndim)]) for k, n in enumerate(t.shape))
+    return torch.where((torch.as_tensor(idx) + salt) % 2 == 0, 1, -1).to(t.dtype)
+
+
+def _mixed(t, k):
+    return t * _board_sign(t, k)
+
+
+def _positive(t, k):
+    return (t.abs() + 0.5).to(t.dtype)
+
+
+def _zeros(t, k):
+    return torch.where(_board_sign(t, k + 1) > 0, torch.zeros_like(t), _mixed(t, k))
+
+
+#: the samples a combination found valid on one sample must also pass before it is reported
+#: missing: ``(what, per-tensor transform or None, near Partial terms, extra ranks)``; each runs in
+#: float64 (no rounding can refute a valid one), with Partial terms of another salt
+CHALLENGES = (
+    ("signs mixed", _mixed, False, 0),
+    ("signs mixed, near max/min terms", _mixed, True, 0),
+    ("negated, near max/min terms", lambda t, k: -t, True, 0),
+    ("positive, near max/min terms", _positive, True, 0),
+    ("zeros, near max/min terms", _zeros, True, 0),
+    ("uneven shards, near max/min terms", None, True, 1),
+    ("signs mixed, uneven shards", _mixed, False, 1),
+)
+
+
+def _transformed(sample: Sample, fn, only: int | None = None) -> Sample:
+    """The sample with ``fn(tensor, k)`` applied to its k-th tensor (to tensor ``only`` alone)."""
+    counter = itertools.count()
+
+    def conv(a):
+        if isinstance(a, torch.Tensor):
+            k = next(counter)
+            return fn(a, k) if only is None or k == only else a
+        if isinstance(a, (list, tuple)):
+            return type(a)(conv(b) for b in a)
+        return a
+
+    return Sample(tuple(conv(a) for a in sample.args), {k: conv(v) for k, v in sample.kwargs.items()},
+                  sample.source)
+
+
+def _challenges(case: _Case) -> list:
+    """``[(what, case, extra ranks)]``: the cases a missing-strategy hint must also hold on (see
+    :data:`CHALLENGES`; with several tensor inputs also each one negated alone).  A transform the
+    op rejects on the global inputs (a domain error) gives no challenge."""
+    if case._challenges is None:
+        specs = [(what, (fn, None), near, extra) for what, fn, near, extra in CHALLENGES]
+        n_in = len(sample_tensors(case.sample))
+        if n_in > 1:
+            specs += [(f"input {k} negated", (lambda t, k: -t, k), False, 0) for k in range(n_in)]
+        built = []
+        for salt, (what, (fn, only), near, extra) in enumerate(specs, 1):
+            sample = case.sample if fn is None else _transformed(case.sample, fn, only)
+            try:
+                with torch.no_grad():
+                    challenge = _Case(case.op, float64_sample(sample) or sample)
+            except Exception:  # noqa: BLE001 - the op rejects these inputs: nothing to learn
+                continue
+            challenge.salt, challenge.near = salt, near
+            built.append((what, challenge, extra))
+        case._challenges = built
+    return case._challenges
+
+
+def _refuted(case: _Case, mesh_shape, ins, outs_list: list) -> dict:
+    """``{outs: why}`` for each output choice of ``outs_list`` that some challenge refutes (the
+    combination ``ins`` run on its inputs does not form the op's result under ``outs``)."""
+    refuted = {}
+    for what, challenge, extra in _challenges(case):
+        mesh = (mesh_shape[0] + extra,)
+        try:
+            ranks = challenge.run(mesh, ins, [(_R,)] * len(challenge.ref))
+        except Unbuildable:
+            continue
+        for outs in outs_list:
+            if outs in refuted:
+                continue
+            why = ranks if isinstance(ranks, str) else next(
+                (w for k, o in enumerate(outs) if (w := challenge.judge(ranks, mesh, k, o))), "")
+            if why:
+                refuted[outs] = f"{what}, mesh {mesh}: {why}"
+    return refuted
+
+
 def _missing(case: _Case, mesh_shape, claimed: set) -> list:
-    """Combinations valid on this sample (1-D mesh) that the rule does not claim."""
+    """Combinations valid on this sample (1-D mesh) and on every challenge (:func:`_challenges`)
+    that the rule does not claim."""
     n = mesh_shape[0]
     per_input = [_candidates(t, n) for t in sample_tensors(case.sample)]
     combos = [c for c in itertools.product(*per_input) if any(type(p) is not Replicate for p in c)]
@@ -405,10 +504,17 @@ def _missing(case: _Case, mesh_shape, claimed: set) -> list:
             if (_R,) in ok:  # every rank holds the result: a Partial max/min of it says nothing new
                 ok = [o for o in ok if not (isinstance(o[0], Partial) and o[0].reduce_op != "sum")]
             valid.append(ok)
-        for outs in itertools.product(*valid):
-            if (ins, tuple(outs)) not in claimed and not all(type(o[0]) is Replicate for o in outs):
-                found.append(Finding(case.op, tuple(mesh_shape), ins, tuple(outs),
-                                     "valid on this sample, not claimed", case.sample))
+        candidates = [tuple(outs) for outs in itertools.product(*valid)
+                      if (ins, tuple(outs)) not in claimed and not all(type(o[0]) is Replicate for o in outs)]
+        if not candidates:
+            continue
+        refuted = _refuted(case, mesh_shape, ins, candidates)
+        checked = len(_challenges(case))
+        for outs in candidates:
+            if outs not in refuted:
+                found.append(Finding(case.op, tuple(mesh_shape), ins, outs,
+                                     f"valid on this sample and {checked} drawn to break it (signs mixed, "
+                                     "zeros, near max/min terms, uneven shards), not claimed", case.sample))
     return found
 
 

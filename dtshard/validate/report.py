@@ -11,7 +11,9 @@ A report line (``OpReport.line``)::
 - ``rejected``: discarded by the planner's own local-shape check, so never run;
 - ``skipped``: not runnable here (uneven layouts under ``--no-uneven``, Partial terms of a dtype
   that has none);
-- ``missing``: valid on the sampled inputs on a 1-D mesh but not claimed (hints, not errors).
+- ``missing``: valid on the sampled inputs on a 1-D mesh, and on the samples drawn to break them
+  (``check.CHALLENGES``: signs mixed, zeros, near max/min terms, uneven shards), but not claimed
+  (hints, not errors).
 
 A handler-served op under ``--ranks`` (``dtshard.validate.ranks``) has the same line: ``claimed``
 counts the input layouts run on real ranks, ``skipped`` those the handler refused with an error.

@@ -8,8 +8,10 @@ Three steps, each pure tensor arithmetic on the layout functions of :mod:`dtshar
   sign alternates element by element (so ``abs`` of the terms is not a term of ``abs``), ``avg``
   the same scaled, ``product`` factors of alternating sign and size, ``max`` / ``min`` the true
   value on one rank (a checkerboard picks which) and the others offset past the value range (so
-  an index-returning op sees different winners on different ranks).  Several Partial mesh dims
-  split hierarchically: mesh dim 0 splits the value, mesh dim 1 each of its terms, and so on.
+  an index-returning op sees different winners on different ranks); with ``near=True`` (the
+  missing-strategy search's challenges) max / min terms sit just below / above the value or tie
+  with it instead, the other valid way to split it.  Several Partial mesh dims split
+  hierarchically: mesh dim 0 splits the value, mesh dim 1 each of its terms, and so on.
 - :func:`run_ranks`: the op (or the rule's ``local`` function) on every rank's local arguments,
   with the rule's ``shape_args`` replaced by the rank's local output shape, as the dispatcher does.
 - :func:`assemble`: the global value the output placements say the local outputs form, or the
@@ -71,8 +73,10 @@ def _board(shape: tuple, parity: int) -> torch.Tensor:
     return total % 2 == 0
 
 
-def _term(x: torch.Tensor, op: str, n: int, c: int, salt: int) -> torch.Tensor:
-    """Rank ``c`` of ``n``'s term of ``x`` for ``Partial(op)``; the ``n`` terms reduce to ``x``."""
+def _term(x: torch.Tensor, op: str, n: int, c: int, salt: int, near: bool = False) -> torch.Tensor:
+    """Rank ``c`` of ``n``'s term of ``x`` for ``Partial(op)``; the ``n`` terms reduce to ``x``.
+    ``near``: max / min terms of the non-owners tie with the value (on a checkerboard) or sit just
+    past it (a quarter of its magnitude plus a quarter), instead of past the whole value range."""
     if n == 1:
         return x
     if x.dtype == torch.bool:
@@ -105,9 +109,13 @@ def _term(x: torch.Tensor, op: str, n: int, c: int, salt: int) -> torch.Tensor:
     if op in ("max", "min"):
         if x.is_complex():
             raise Unbuildable(f"no Partial({op}) terms of a complex tensor")
-        finite = x[torch.isfinite(x)] if flt else x
-        span = (finite.max() - finite.min()).item() if finite.numel() else 0
-        offset = 2 * span + 1
+        if near:
+            gap = (x.abs() + 1) / 4 if flt else torch.ones_like(x)
+            offset = torch.where(_checker(x.shape, salt + 1 + c), torch.zeros_like(gap), gap).to(x.dtype)
+        else:
+            finite = x[torch.isfinite(x)] if flt else x
+            span = (finite.max() - finite.min()).item() if finite.numel() else 0
+            offset = 2 * span + 1
         owner = (_checker(x.shape, salt).long() + salt) % n == c
         away = x - offset if op == "max" else x + offset
         return torch.where(owner, x, away)
@@ -115,22 +123,25 @@ def _term(x: torch.Tensor, op: str, n: int, c: int, salt: int) -> torch.Tensor:
 
 
 def local_input(full: torch.Tensor, placements: Sequence[Placement], mesh_shape: Sequence[int],
-                coord: Sequence[int], salt: int = 0) -> torch.Tensor:
-    """Rank ``coord``'s local tensor of ``full`` laid out with ``placements`` (a copy)."""
+                coord: Sequence[int], salt: int = 0, near: bool = False) -> torch.Tensor:
+    """Rank ``coord``'s local tensor of ``full`` laid out with ``placements`` (a copy); ``salt``
+    and ``near`` choose among valid Partial terms (see :func:`_term`)."""
     x = full.detach()
     for i, p in enumerate(placements):
         if isinstance(p, Partial):
-            x = _term(x, p.reduce_op, mesh_shape[i], coord[i], salt + 7 * i)
+            x = _term(x, p.reduce_op, mesh_shape[i], coord[i], salt + 7 * i, near)
     x = take_region(x, local_region(tuple(full.shape), mesh_shape, placements, coord))
     return x.clone()
 
 
 def run_ranks(fn: Callable, args, kwargs, placements: Sequence[Sequence[Placement]], mesh_shape,
-              shape_args: dict | None = None, out_shapes=(), out_placements=(), cache: dict | None = None) -> dict:
+              shape_args: dict | None = None, out_shapes=(), out_placements=(), cache: dict | None = None,
+              salt: int = 0, near: bool = False) -> dict:
     """``{coord: fn(local args)}`` for every rank.  ``args``/``kwargs`` hold the global tensors;
     the k-th tensor met (flattened in argument order) gets ``placements[k]``.  ``shape_args``
     ({arg index: output index}): that argument becomes the rank's local shape of that output.
-    ``cache``: local inputs kept across calls with the same ``args`` (the op gets copies)."""
+    ``cache``: local inputs kept across calls with the same ``args`` (the op gets copies).
+    ``salt`` / ``near``: which valid Partial terms the inputs get (:func:`local_input`)."""
     results = {}
     cache = {} if cache is None else cache
     for coord in coords(mesh_shape):
@@ -139,9 +150,9 @@ def run_ranks(fn: Callable, args, kwargs, placements: Sequence[Sequence[Placemen
         def conv(a):
             if isinstance(a, torch.Tensor):
                 k = next(counter)
-                key = (k, tuple(placements[k]), tuple(mesh_shape), coord)
+                key = (k, tuple(placements[k]), tuple(mesh_shape), coord, salt, near)
                 if key not in cache:
-                    cache[key] = local_input(a, placements[k], mesh_shape, coord, salt=k)
+                    cache[key] = local_input(a, placements[k], mesh_shape, coord, salt=k + salt, near=near)
                 return cache[key].clone()
             if isinstance(a, (list, tuple)):
                 return type(a)(conv(b) for b in a)

@@ -68,6 +68,10 @@ class Samples:
         gen = torch.Generator().manual_seed(0)
         self.list = [Sample((torch.randn(s, generator=gen),), {}, f"test {s}") for s in shapes]
 
+    def with_sample(self, args):
+        self.list.append(Sample(tuple(args), {}, "test given"))
+        return self
+
     def samples(self, op):
         return self.list
 
@@ -122,6 +126,92 @@ def test_a_correct_rule_passes_the_command():
         status = main(["--op", f"{NS}.square.default", "--mesh", "2,3,2x2", "--strided"])
     assert status == 0, out.getvalue()
     assert "incorrect   0" in out.getvalue() and "INCORRECT" not in out.getvalue()
+
+
+# ---------------------------------------------------------------------------------------------
+# "missing" hints: only what holds beyond the one sample
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(f"{NS}::scaled", mutates_args=())
+def scaled(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x * w
+
+
+@scaled.register_fake
+def _scaled_fake(x, w):
+    return torch.empty_like(x)
+
+
+SCALED = torch.ops.dtshard_validate_test.scaled.default
+
+
+def shard0_only_rule(call):
+    """Right but incomplete: Shard(0) only, for every tensor argument."""
+    return [((Shard(0),), tuple(Shard(0) for _ in call.tensors))]  # (outputs, inputs)
+
+
+def _hints(report) -> set:
+    from dtshard.spec import placement_str  # 1-D meshes: one placement per tensor
+
+    return {(" ".join(placement_str(p) for (p,) in f.ins), " ".join(placement_str(p) for (p,) in f.outs))
+            for f in report.missing}
+
+
+def test_missing_hints_hold_beyond_the_one_sample():
+    """x * x on an all-negative sample maps Partial(max) terms to Partial(min) ones (the squares of
+    terms below a negative value are larger); x * w with w > 0 keeps Partial(max). Neither holds in
+    general, and neither may be suggested; the real hints (another shard dim, x * w linear in
+    each argument) still are."""
+    gen = torch.Generator().manual_seed(3)
+    neg = -(torch.rand(6, 4, generator=gen) + 0.5)
+    # the coincidence: on this sample alone, P(max) -> P(min) forms x * x
+    got = simulate_op(SQUARE, (neg,), {}, (2,), [(Partial("max"),)], [(Partial("min"),)])[0]
+    torch.testing.assert_close(got, neg * neg)
+    with override(SQUARE, shard0_only_rule):
+        square_report = validate_op(SQUARE, Samples((5, 3)).with_sample((neg,)), [(2,)])
+    assert _hints(square_report) == {("S(1)", "S(1)")}, square_report.missing
+    assert "drawn to break it" in square_report.missing[0].why
+
+    x, w = torch.randn(6, 4, generator=gen), torch.rand(6, 4, generator=gen) + 0.5
+    assert torch.equal(simulate_op(SCALED, (x, w), {}, (2,), [(Partial("max"),), (_R := Replicate(),)],
+                                   [(Partial("max"),)])[0], x * w)  # the coincidence of w > 0
+    with override(SCALED, shard0_only_rule):
+        scaled_report = validate_op(SCALED, Samples().with_sample((x, w)), [(2,)])
+    hints = _hints(scaled_report)
+    assert {("P(sum) R", "P(sum)"), ("R P(sum)", "P(sum)"), ("S(1) S(1)", "S(1)")} <= hints, hints
+    assert not [h for h in hints if "P(max)" in h[0] or "P(min)" in h[0]], hints
+    assert scaled_report.incorrect == []
+
+
+def test_ops_are_named_as_torch_library_names_them(tmp_path, monkeypatch):
+    """``--op ns::name`` and ``ns::name.overload`` (torch.library's names) next to ``ns.name``;
+    ``--import`` loads the module that defines a custom op; an unknown op says what to do."""
+    from dtshard.validate.__main__ import _ops
+
+    for name in (f"{NS}::square", f"{NS}::square.default", f"{NS}.square.default", f"torch.ops.{NS}.square"):
+        assert _ops(name) == [SQUARE], name
+    assert _ops("aten::add.Tensor") == _ops("aten.add.Tensor") == _ops("add.Tensor") == [torch.ops.aten.add.Tensor]
+    out = io.StringIO()
+    with override(SQUARE, square_rule_fixed), contextlib.redirect_stdout(out):
+        assert main(["--op", f"{NS}::square", "--mesh", "2", "--no-missing"]) == 0
+    assert "dtshard_validate_test.square.default" in out.getvalue() and "correct" in out.getvalue()
+
+    (tmp_path / "dtshard_validate_test_mylib.py").write_text(
+        "import torch\n"
+        "@torch.library.custom_op('dtshard_validate_test_mylib::my_op', mutates_args=())\n"
+        "def my_op(x: torch.Tensor) -> torch.Tensor:\n"
+        "    return x + 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(SystemExit, match=r"no op 'dtshard_validate_test_mylib::my_op'.*--import MODULE"):
+        main(["--op", "dtshard_validate_test_mylib::my_op", "--mesh", "2"])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = main(["--import", "dtshard_validate_test_mylib", "--op", "dtshard_validate_test_mylib::my_op",
+                       "--mesh", "2"])
+    assert status == 0 and "dtshard_validate_test_mylib.my_op.default" in out.getvalue() and "no rule" in out.getvalue()
+    with pytest.raises(SystemExit, match=r"has no overload 'nope'"):
+        main(["--op", f"{NS}::square.nope", "--mesh", "2"])
 
 
 @pytest.mark.parametrize("placements", [
