@@ -82,8 +82,8 @@ import torch.nn.functional as F  # noqa: E402
 
 
 MiB = 2**20
-STRATEGIES = ("ulysses", "allgather_kv", "ring", "mask_kv")  # attention_cp.STRATEGIES (checked in worker)
-HEADS = {"gqa": (8, 2), "mha": (8, 8)}
+STRATEGIES = ("ulysses", "allgather_kv", "ring", "mask_kv", "balanced")  # attention_cp.STRATEGIES (checked in worker)
+HEADS = {"gqa": (8, 2), "mha": (8, 8), "mqa": (8, 1)}
 MMAP_THRESHOLD = "65536"
 
 
@@ -183,11 +183,11 @@ def worker(rank, world, args, port, out_path):
             q, k, v, _ = _inputs(seq, h, hkv)
             dts = [dtshard.distribute_tensor(t, mesh, [Shard(2)]) for t in (q, k, v)]
             for strategy in attention_cp.STRATEGIES:
-                b = attention_cp._bytes(strategy, *dts, 0, mask)
+                b = attention_cp._bytes(strategy, *dts, 0, mask, mask is None)
                 if b is not None:
                     rows.append({"seq": seq, "heads": name, "strategy": strategy, "plan_fwd_bytes": b,
                                  "kv_bytes": (k.numel() + v.numel()) * 4,
-                                 "auto": attention_cp.choose_strategy(*dts, 0, mask)})
+                                 "auto": attention_cp.choose_strategy(*dts, 0, mask, mask is None)})
         del mask
     for seq in args.seqs:
         mask = _window_mask(seq, args.window) if args.window else None
@@ -197,7 +197,7 @@ def worker(rank, world, args, port, out_path):
             dgo = dtshard.distribute_tensor(go, mesh, [Shard(2)])
             del q, k, v, go
             for strategy in args.strategies:
-                if attention_cp._bytes(strategy, *dts, 0, mask) is None:
+                if attention_cp._bytes(strategy, *dts, 0, mask, mask is None) is None:
                     continue
                 dtshard.config.attention_cp = strategy
                 times = []
@@ -213,7 +213,7 @@ def worker(rank, world, args, port, out_path):
                 row = {"seq": seq, "heads": name, "strategy": strategy,
                        "s": statistics.median(times) if times else None,
                        "kv_bytes": dts[1].numel() * 4 * 2,
-                       "plan_fwd_bytes": attention_cp._bytes(strategy, *dts, 0, mask)}
+                       "plan_fwd_bytes": attention_cp._bytes(strategy, *dts, 0, mask, mask is None)}
                 if args.memory or not times:  # one more step, untimed, under the memory profiler
                     for d in dts:
                         d.grad = None
@@ -230,6 +230,96 @@ def worker(rank, world, args, port, out_path):
         with open(out_path, "w") as f:
             json.dump(rows, f)
     dist.destroy_process_group()
+
+
+def choice_worker(rank, world, args, port, out_path):
+    """``--choice``: per sequence length and head layout, what ``auto`` picks (and its estimates),
+    then every strategy that applies forced: the step's wall time (median of ``--reps`` after
+    ``--warmup`` steps), each rank's process CPU time of the step (the most over the ranks: what
+    the slowest rank costs when it has a core of its own, which 4 ranks on 2 shared cores do not
+    have) and the (query, key) pairs each rank's kernel calls evaluate (``work_stats``)."""
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dtshard = import_this_checkout()
+    from dtshard import Shard
+    from dtshard.rules import attention_cp
+
+    def gather(x):
+        out = [None] * world
+        dist.all_gather_object(out, x)
+        return out
+
+    mesh = dtshard.init_device_mesh("cpu", (world,))
+    rows = []
+    for seq in args.seqs:
+        for name in args.heads:
+            h, hkv = HEADS[name]
+            q, k, v, go = _inputs(seq, h, hkv)
+            dts = [dtshard.distribute_tensor(t, mesh, [Shard(2)]).requires_grad_() for t in (q, k, v)]
+            dgo = dtshard.distribute_tensor(go, mesh, [Shard(2)])
+            del q, k, v, go
+            dtshard.config.attention_cp = "auto"
+            auto = attention_cp.choose_strategy(*dts, 0, None, True)
+            ests = {s: e for s in attention_cp.STRATEGIES
+                    if (e := attention_cp.estimate(s, *dts, 0, None, True)) is not None}
+            for strategy in args.strategies:
+                if strategy not in ests:
+                    continue
+                dtshard.config.attention_cp = strategy
+                walls, cpus = [], []
+                for rep in range(args.warmup + args.reps):
+                    for d in dts:
+                        d.grad = None
+                    dist.barrier()
+                    attention_cp.work_stats["pairs"] = 0
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    out = F.scaled_dot_product_attention(*dts, is_causal=True, enable_gqa=hkv != h)
+                    pairs = attention_cp.work_stats["pairs"]
+                    out.backward(dgo)
+                    c1 = time.process_time() - c0
+                    dist.barrier()
+                    w = time.perf_counter() - t0
+                    if rep >= args.warmup:
+                        walls.append(w)
+                        cpus.append(c1)
+                    del out
+                cpu = statistics.median(cpus)
+                all_cpu, all_pairs = gather(cpu), gather(pairs)
+                e = ests[strategy]
+                rows.append({"seq": seq, "heads": name, "strategy": strategy, "auto": auto,
+                             "wall": statistics.median(walls), "cpu_max": max(all_cpu),
+                             "cpu_ranks": all_cpu, "pairs": all_pairs, "est": e.seconds,
+                             "est_compute": e.compute, "est_comm": e.comm})
+            dtshard.config.attention_cp = "auto"
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(rows, f)
+    dist.destroy_process_group()
+
+
+def choice_table(world, rows) -> None:
+    print(f"| S | heads | strategy | auto picks | est. s (slowest rank) | step wall s | slowest rank CPU s | "
+          f"/ fastest forced (CPU) | CPU s per rank | pairs max / mean |")
+    print("|---:|---|---|---|---:|---:|---:|---:|---|---:|")
+    for key in dict.fromkeys((r["seq"], r["heads"]) for r in rows):
+        group = [r for r in rows if (r["seq"], r["heads"]) == key]
+        best = min(r["cpu_max"] for r in group)
+        for r in group:
+            mark = "**" if r["strategy"] == r["auto"] else ""
+            pairs = r["pairs"]
+            print(f"| {r['seq']} | {r['heads']} {HEADS[r['heads']][0]}:{HEADS[r['heads']][1]} | "
+                  f"{mark}{r['strategy']}{mark} | {r['auto']} | {r['est']:.3f} | {r['wall']:.3f} | "
+                  f"{r['cpu_max']:.3f} | {r['cpu_max'] / best:.2f} | "
+                  f"{' '.join(f'{c:.2f}' for c in r['cpu_ranks'])} | {_balance_text(pairs)} |")
+
+
+def _balance_text(pairs) -> str:
+    """Per-rank work: max / mean of the pairs the kernel calls evaluate (ulysses calls the kernel on
+    whole sequences of H/n heads, which ``work_stats`` does not count: equal by construction)."""
+    if not sum(pairs):
+        return "1.00 (H/n heads each)"
+    return f"{max(pairs) / (sum(pairs) / len(pairs)):.2f}"
 
 
 def one_process(_rank, args, threads, out_path):
@@ -291,7 +381,18 @@ def main():
     ap.add_argument("--window", type=int, default=0, help="sliding-window mask of this many keys (0: is_causal)")
     ap.add_argument("--plan-seqs", default="", type=lambda s: [int(x) for x in s.split(",") if x],
                     help="sequence lengths for forward bytes from the plan only (no step)")
+    ap.add_argument("--choice", action="store_true",
+                    help="the strategy choice: what auto picks against every strategy forced (causal, "
+                         "--heads mha,gqa,mqa), slowest rank's CPU time and per-rank work; no memory step")
+    ap.add_argument("--warmup", type=int, default=1, help="--choice: untimed steps first")
     args = ap.parse_args()
+    if args.choice:
+        print(f"load average before: {os.getloadavg()}")
+        for world in args.ranks:
+            rows = _spawn(choice_worker, world, world, args, free_port())
+            print(f"\n{world} ranks (load average after: {os.getloadavg()})\n")
+            choice_table(world, rows)
+        return
     if args.rss:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD  # read by the spawned processes' glibc
     results = []

@@ -64,13 +64,29 @@ class config:
     #: change with the layout.  What "global" costs: benchmarks/bench_random.py.
     random_draws: str = "global"
     #: Attention on a sequence-sharded DTensor (context parallelism, dtshard/rules/attention_cp.py):
-    #: "auto" picks the strategy that receives the fewest bytes per rank ("ulysses": sequence <->
-    #: heads all_to_alls, each tensor with its own heads; "allgather_kv": K and V gathered once,
-    #: with their own heads; "ring": K and V passed around the ring, the exchange under compute);
-    #: naming one forces it where it applies (benchmarks, tests).  "auto" gathers K and V whole
-    #: only up to ``attention_cp_gather_bytes`` per rank, else passes them around the ring.
+    #: "auto" picks the strategy with the least ESTIMATED STEP TIME OF THE SLOWEST RANK
+    #: (``attention_cp.estimate``: the (query, key) pairs that rank evaluates, from the mask's
+    #: table when mask_kv reads one, plus the communication it waits for) among "ulysses"
+    #: (sequence <-> heads all_to_alls, each tensor with its own heads), "allgather_kv" (K and V
+    #: gathered once, with their own heads), "ring" (K and V passed around the ring, the exchange
+    #: under compute), "mask_kv" (the K/V rows a readable mask leaves unmasked) and "balanced"
+    #: (causal on a plain Shard: allgather_kv whose busier rank of each pair (r, n-1-r) hands its
+    #: last rows to its partner and gets their output and log-sum-exp back, so the pairs evaluate
+    #: the same number of (query, key) pairs); naming one forces it where it applies (benchmarks,
+    #: tests).  "auto" gathers K and V whole only up to ``attention_cp_gather_bytes`` per rank,
+    #: else passes them around the ring.  ``dtshard.debug.explain`` prints each call's estimates.
     attention_cp: str = "auto"
     attention_cp_gather_bytes: int = 256 * 2**20
+    #: The costs ``auto`` estimates with (benchmarks/README.md "Context parallelism" has the
+    #: measurement, on the project's 2-core CPU with gloo, 4 ranks): seconds per (query, key) pair
+    #: per head and per element of ``E + Ev``, forward + backward, of the fused CPU kernel on one
+    #: thread (0.065 ns: 1K-2K tokens, 8 heads of 64, whole and causal); seconds per byte a rank
+    #: receives (6.6 ns: a 4 MiB all_gather on 4 gloo ranks on 2 cores) and per collective call
+    #: (the latency of an 8-byte all_gather there).  On a GPU with NCCL the pair cost is ~1000x
+    #: smaller and the byte cost ~100x: set the three to your machine's (their ratios decide).
+    attention_cp_pair_seconds: float = 6.5e-11
+    attention_cp_byte_seconds: float = 6.6e-9
+    attention_cp_collective_seconds: float = 2e-3
     #: Debug switch: before context parallelism uses an attention mask, check that every rank of
     #: the mesh holds the same one (a digest of its bytes, one all_gather_object per call).  The
     #: exchange plans assume it and cannot see a mask that differs per rank (a user error).

@@ -44,6 +44,16 @@ query's layout (``out`` and ``logsumexp`` sequence-sharded), whatever strategy r
   halo (about ``w`` rows from the predecessors); a document mask brings only the documents that
   overlap the rank's rows.  Received per rank, forward: the rows the table says, the most over
   the ranks as the cost.  Plain ``Shard`` layouts only (a strided layout takes the others).
+- **balanced** (causal, no mask, a plain ``Shard``): allgather_kv with the causal work evened out.
+  On a contiguous layout rank ``r``'s rows see ``r + 1/2`` chunks of keys, so the last rank
+  evaluates ``2n-1`` times the first's (query, key) pairs and the step waits for it.  The ranks
+  pair up ``(r, n-1-r)``; the busier of a pair sends its LAST ``m`` query rows to its partner (one
+  all_to_all), which holds every key too and attends them whole (no merge), and sends their output
+  and log-sum-exp back (one all_to_all, widened to float32/64 so they arrive exact); ``m`` evens
+  the pair's pairs (:class:`_Balance`, from metadata).  Backward: K and V gathered again, those
+  rows' grad_out, q, out and log-sum-exp to the partner, which adds their dK/dV into its whole-size
+  accumulators (reduce_scattered to the owners as allgather_kv's) and sends their dq back.
+  Received per rank, forward: allgather_kv's plus ``m`` query rows (or their output rows).
 - **Ulysses x ring** (the sequence on two mesh dims ``(i0, i1)``, heads divisible by ``i1``'s
   size): q, k, v move their ``i1`` shards from the sequence to the heads (Ulysses, one all_to_all
   each), the call runs again with the sequence on ``i0`` alone (any strategy above, by cost, the
@@ -93,9 +103,18 @@ efficient kernel's padded log-sum-exp lines up with sequence shards only when th
 multiple of 32: other lengths go to the rule.  The op's other outputs (the generator state,
 ``max_q``/``max_k``) are those of one call on the global shapes, replicated.
 
-The cost (``_bytes``) is the bytes a rank receives in the forward, from global shapes and the
-mask's table only (the same on every rank, so every rank takes the same strategy);
-``config.attention_cp`` forces one where it applies.
+**The choice.**  ``auto`` takes the strategy with the least estimated step time (forward +
+backward) of the SLOWEST rank (:func:`estimate`): the (query, key) pairs that rank evaluates (the
+causal triangle of its rows, the mask's table for mask_kv, whole sequences of ``H/n`` heads for
+Ulysses) at ``config.attention_cp_pair_seconds`` per pair, head and element of ``E + Ev``, plus
+the communication it waits for: the bytes it receives (``_bytes`` for the forward, the
+strategy's multiple for the step) at ``config.attention_cp_byte_seconds`` and each collective at
+``config.attention_cp_collective_seconds``, the ring's exchange counted only where it outlasts
+the compute it travels under.  Everything comes from global shapes, the layout and the mask's
+table (the same on every rank, so every rank takes the same strategy); without a mask the
+decision is cached by that metadata and the settings.  ``config.attention_cp`` forces one where
+it applies.  ``dtshard.debug.explain`` prints, per call, the strategy that ran, why (auto or
+forced) and every estimate.
 FlexAttention: ``rules/flex_attention_cp.py``.
 """
 
@@ -114,18 +133,19 @@ from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 
+from dtshard import _trace
 from dtshard import collectives as C
 from dtshard._config import config
 from dtshard.handlers import DTensor, bind, make_spec, meta_run, op_context, planned, to_local, wrap
 from dtshard.registry import op_facts, register_handler
 from dtshard.rules.attention import CUDA_BWD, CUDA_FWD
 
-__all__ = ["choose_strategy", "mask_table_stats", "unwatched", "values_readable"]
+__all__ = ["Estimate", "choose_strategy", "estimate", "mask_table_stats", "unwatched", "values_readable"]
 
 aten = torch.ops.aten
 _FWD = aten._scaled_dot_product_flash_attention_for_cpu.default
 _BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
-STRATEGIES = ("ulysses", "allgather_kv", "ring", "mask_kv")
+STRATEGIES = ("ulysses", "allgather_kv", "ring", "mask_kv", "balanced")
 
 
 # --- the kernels -----------------------------------------------------------------------------
@@ -425,17 +445,21 @@ def _flat_backward(kern, g, q, k, v, out, lse, dims, causal, scale):
     return dq, grads[0], grads[1]
 
 
-def _bytes(strategy: str, q, k, v, mesh_dim: int, mask=None) -> float | None:
+def _bytes(strategy: str, q, k, v, mesh_dim: int, mask=None, causal: bool = False) -> float | None:
     """Bytes each rank receives in the forward under ``strategy`` (None: it does not apply).
-    ``mask``: the attention mask's whole tensor (see :func:`_whole_mask`), or None."""
+    ``mask``: the attention mask's whole tensor (see :func:`_whole_mask`), or None; ``causal``:
+    the call's ``is_causal`` (balanced applies to causal calls only)."""
     n = q._spec.mesh_shape[mesh_dim]
-    other = 1  # the other mesh dims' shards of the leading dims
-    for i, p in enumerate(q._spec.placements):
-        if i != mesh_dim and type(p) is Shard:
-            other *= q._spec.mesh_shape[i]
+    other = _other(q, mesh_dim)  # the other mesh dims' shards of the leading dims
     item = q.element_size()
     if strategy in ("allgather_kv", "ring"):
         return (n - 1) / n * (k.numel() + v.numel()) * item / other
+    if strategy == "balanced":
+        plan = _balance(q, k, mesh_dim, causal, mask)
+        if plan is None:
+            return None
+        gathered = (n - 1) / n * (k.numel() + v.numel()) * item / other
+        return gathered + plan.max_moved * _query_row_bytes(q, v, other)
     if strategy == "ulysses":
         h = q.dim() - 3
         if any(type(p) is Shard and p.dim == h for p in q._spec.placements):
@@ -458,32 +482,275 @@ def _key_row_bytes(k, v, other: int) -> float:
     return (k.numel() + v.numel()) // max(seq, 1) * k.element_size() / other
 
 
-def choose_strategy(q, k, v, mesh_dim: int, mask=None) -> str | None:
-    """The strategy for this call: ``config.attention_cp`` when it names one that applies, else
-    the one whose forward receives the fewest bytes per rank; ties go to the first of STRATEGIES
-    (all-gather of K/V before the ring: one collective instead of ``n - 1``; both before
-    mask_kv, which gathers rows by index), except that K and V are not gathered whole when that
-    would hold more than ``config.attention_cp_gather_bytes`` per rank (the ring holds two
-    blocks; mask_kv holds the rows the mask needs, counted the same way)."""
-    forced = config.attention_cp
-    if forced != "auto":
-        return forced if _bytes(forced, q, k, v, mesh_dim, mask) is not None else None
-    costs = [(c, s) for s in STRATEGIES if (c := _bytes(s, q, k, v, mesh_dim, mask)) is not None]
-    if any(s == "ring" for _, s in costs):
-        cap = config.attention_cp_gather_bytes
-        if _gathered_bytes(q, k, v, mesh_dim) > cap:
-            costs = [(c, s) for c, s in costs if s != "allgather_kv"]
-        if any(s == "mask_kv" for _, s in costs) and _mask_held_bytes(mask, q, k, v, mesh_dim) > cap:
-            costs = [(c, s) for c, s in costs if s != "mask_kv"]
-    return min(costs, key=lambda cs: cs[0])[1] if costs else None
-
-
-def _mask_held_bytes(mask, q, k, v, mesh_dim: int) -> float:
-    """K and V rows one rank holds under mask_kv (received and its own), the most over the ranks."""
+def _other(q, mesh_dim) -> int:
+    """How many shards the mesh dims other than ``mesh_dim`` cut the leading dims into."""
     other = 1
     for i, p in enumerate(q._spec.placements):
         if i != mesh_dim and type(p) is Shard:
             other *= q._spec.mesh_shape[i]
+    return other
+
+
+def _query_row_bytes(q, v, other: int) -> float:
+    """Bytes of one query row of q plus its output row and log-sum-exp (this rank's leading dims),
+    what balanced moves per row each way in the forward."""
+    lead = q.numel() // max(q.shape[-1] * q.shape[-2], 1)
+    return lead * (q.shape[-1] + v.shape[-1] + 1) * q.element_size() / other
+
+
+def _all_runs(q, mesh_dim: int) -> list[tuple]:
+    """Every rank's runs (:func:`_runs`) of the query sequence along ``mesh_dim``: arithmetic for a
+    plain ``Shard`` (``torch.chunk``'s split), the spec's regions for a strided layout."""
+    if hasattr(q._spec, "local_region"):  # (a real spec: the layout's own split)
+        return _chunks(q, mesh_dim)
+    n, seq = q._spec.mesh_shape[mesh_dim], q.shape[-2]
+    c = -(-seq // n)
+    return [((min(r * c, seq), min((r + 1) * c, seq)),) if r * c < seq else () for r in range(n)]
+
+
+def _pairs(runs, nk: int, causal: bool) -> int:
+    """(query, key) pairs that rows at the global positions ``runs`` evaluate against the keys
+    ``[0, nk)``: every key, or causally (top-left aligned, as the CPU kernel) row ``p`` the first
+    ``min(p + 1, nk)``."""
+    if not causal:
+        return _length(runs) * nk
+    total = 0
+    for a, b in runs:
+        m = min(b, nk)
+        if a < m:
+            total += (a + 1 + m) * (m - a) // 2
+        total += max(b - max(a, m), 0) * nk
+    return total
+
+
+class _Balance:
+    """balanced: allgather_kv whose causal work is evened out between the pairs of ranks ``(r, n-1-r)``
+    of a plain ``Shard`` sequence: the busier one (the later rows see more keys) sends its LAST
+    ``m`` query rows to its partner, which holds every key too and attends them (the whole rows:
+    no merge), and sends their output and log-sum-exp back; in backward those rows' ``grad_out``,
+    q, out and log-sum-exp travel the same way, the partner's dK/dV (whole-size, reduce_scattered
+    as allgather_kv's) take their contribution and their dq goes back.  ``m`` evens the pair's
+    (query, key) pairs.  Every number here is metadata, the same on every rank.
+
+    ``moves``: ``{busy rank: (partner, m)}``; ``work``: pairs each rank evaluates after the moves."""
+
+    def __init__(self, runs, nk: int):
+        n = len(runs)
+        work = [_pairs(r, nk, True) for r in runs]
+        self.before = list(work)
+        self.moves: dict[int, tuple[int, int]] = {}
+        for r in range(n // 2):
+            s = n - 1 - r
+            busy, idle = (s, r) if work[s] >= work[r] else (r, s)
+            if not runs[busy]:
+                continue
+            a, b = runs[busy][0]
+
+            def moved(m, b=b):
+                return _pairs(((b - m, b),), nk, True)
+
+            lo, hi = 0, b - a  # the least m with busy - moved(m) <= idle + moved(m)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if work[busy] - moved(mid) > work[idle] + moved(mid):
+                    lo = mid + 1
+                else:
+                    hi = mid
+            m = min((x for x in (lo - 1, lo) if 0 <= x <= b - a),
+                    key=lambda x: max(work[busy] - moved(x), work[idle] + moved(x)))
+            if m:
+                self.moves[busy] = (idle, m)
+                work[busy] -= moved(m)
+                work[idle] += moved(m)
+        self.work = work
+        self.max_moved = max((m for _, m in self.moves.values()), default=0)
+        self.n = n
+
+    def role(self, me: int):
+        """``(rows I send, rows I receive, partner, the received rows' global start)``."""
+        if me in self.moves:
+            partner, m = self.moves[me]
+            return m, 0, partner, None
+        for busy, (idle, m) in self.moves.items():
+            if idle == me:
+                return 0, m, busy, busy
+        return 0, 0, None, None
+
+    def counts(self, me: int):
+        """``(send_counts, recv_counts)`` of this rank's all_to_all of rows (busy to partner)."""
+        send, recv = [0] * self.n, [0] * self.n
+        m_out, m_in, partner, _ = self.role(me)
+        if m_out:
+            send[partner] = m_out
+        if m_in:
+            recv[partner] = m_in
+        return send, recv
+
+
+_BALANCES: OrderedDict = OrderedDict()
+
+
+def _balance(q, k, mesh_dim: int, causal: bool, mask=None) -> _Balance | None:
+    """The balanced plan of this call, or None where it does not apply (a causal call with no
+    mask, on a plain ``Shard`` of one mesh dim, whose pairs of ranks differ)."""
+    if not causal or mask is not None or getattr(q._spec, "has_strided", False):
+        return None
+    if q._spec.placements[mesh_dim] != Shard(q.dim() - 2):
+        return None
+    key = (q.shape[-2], k.shape[-2], q._spec.mesh_shape[mesh_dim])
+    plan = _BALANCES.get(key)
+    if plan is None:
+        plan = _BALANCES[key] = _Balance(_all_runs(q, mesh_dim), k.shape[-2])
+        while len(_BALANCES) > 64:
+            _BALANCES.popitem(last=False)
+    return plan
+
+
+class Estimate:
+    """A strategy's estimated step (forward + backward) time on its SLOWEST rank: the compute of the
+    (query, key) pairs that rank evaluates (``config.attention_cp_pair_seconds`` per pair, head
+    and element of ``E + Ev``) plus the communication it waits for (bytes received at
+    ``config.attention_cp_byte_seconds`` each, ``config.attention_cp_collective_seconds`` per
+    collective; the ring's exchange hides behind its compute)."""
+
+    def __init__(self, strategy, compute, comm, pairs_max, pairs_mean, fwd_bytes, step_bytes, collectives):
+        self.strategy, self.compute, self.comm = strategy, compute, comm
+        self.pairs_max, self.pairs_mean = pairs_max, pairs_mean
+        self.fwd_bytes, self.step_bytes, self.collectives = fwd_bytes, step_bytes, collectives
+        self.seconds = compute + comm
+
+    @property
+    def imbalance(self) -> float:
+        """The slowest rank's pairs over the mean."""
+        return self.pairs_max / self.pairs_mean if self.pairs_mean else 1.0
+
+    def __repr__(self):
+        return (f"{self.strategy} {self.seconds * 1e3:.3g} ms (slowest rank: compute {self.compute * 1e3:.3g} ms, "
+                f"{self.pairs_max:,} pairs = {self.imbalance:.2f}x the mean; communication "
+                f"{self.comm * 1e3:.3g} ms exposed, {self.step_bytes / 2**20:.3g} MiB received forward + "
+                f"backward, {self.collectives} collectives)")
+
+
+def estimate(strategy: str, q, k, v, mesh_dim: int, mask=None, causal: bool = False) -> Estimate | None:
+    """The :class:`Estimate` of ``strategy`` for this call (None: it does not apply), from global
+    shapes, the layout and the mask's table (every rank computes the same)."""
+    fwd = _bytes(strategy, q, k, v, mesh_dim, mask, causal)
+    if fwd is None:
+        return None
+    n, nk = q._spec.mesh_shape[mesh_dim], k.shape[-2]
+    other = _other(q, mesh_dim)
+    item = q.element_size()
+    runs = _all_runs(q, mesh_dim)
+    lead = q.numel() // max(q.shape[-1] * q.shape[-2], 1) / other  # batch x query heads on a rank
+    per_pair = lead * (q.shape[-1] + v.shape[-1]) * config.attention_cp_pair_seconds
+    causal_pairs = causal and mask is None
+    if strategy == "ulysses":
+        total = _pairs(((0, q.shape[-2]),), nk, causal_pairs)
+        work = [total / n] * n  # whole sequences of H/n heads: every rank alike
+        out = q.numel() // q.shape[-1] * v.shape[-1]
+        step = fwd + (n - 1) / n / n * (2 * out + q.numel() + k.numel() + v.numel() + out // v.shape[-1]
+                                        + q.numel() + k.numel() + v.numel()) * item / other
+        colls = 14
+    elif strategy == "mask_kv":
+        table = _mask_table(mask, q, k, mesh_dim)
+        work = [_length(r) * len(table.need[j]) for j, r in enumerate(runs)]
+        step, colls = 3 * fwd, 3
+    elif strategy == "balanced":
+        plan = _balance(q, k, mesh_dim, causal, mask)
+        work = plan.work
+        kv = (n - 1) / n * (k.numel() + v.numel()) * item / other
+        row = _query_row_bytes(q, v, other)
+        # forward: q rows out, output + lse back; backward: grad_out, q, out, lse out, dq back
+        moved_bwd = plan.max_moved * row / (q.shape[-1] + v.shape[-1] + 1) * (2 * q.shape[-1] + 2 * v.shape[-1] + 1)
+        step = fwd + 2 * kv + moved_bwd
+        colls = 6 + (4 if plan.moves else 0)
+    else:
+        work = [_pairs(r, nk, causal_pairs) for r in runs]
+        if strategy == "allgather_kv":
+            step, colls = 3 * fwd, 6
+        else:  # ring: blocks again in backward, and the accumulators once around
+            step, colls = fwd * (3 * n - 2) / max(n - 1, 1), 3 * n - 2
+    compute = max(work) * per_pair
+    comm = step * config.attention_cp_byte_seconds
+    if strategy == "ring":  # each step's exchange travels under the compute of the block in hand
+        comm = max(comm - compute * (n - 1) / n, 0.0)
+    comm += colls * config.attention_cp_collective_seconds
+    return Estimate(strategy, compute, comm, int(max(work)), sum(work) / n, fwd, step, colls)
+
+
+def choose_strategy(q, k, v, mesh_dim: int, mask=None, causal: bool = False) -> str | None:
+    """The strategy for this call: ``config.attention_cp`` when it names one that applies, else
+    the one with the least estimated step time of the slowest rank (:func:`estimate`); ties go to
+    the first of STRATEGIES; K and V are not gathered whole (allgather_kv, balanced) when that
+    would hold more than ``config.attention_cp_gather_bytes`` per rank (the ring holds two
+    blocks; mask_kv holds the rows the mask needs, counted the same way)."""
+    return _decide(q, k, v, mesh_dim, mask, causal)[0]
+
+
+_DECISIONS: OrderedDict = OrderedDict()
+
+
+def _decide(q, k, v, mesh_dim: int, mask=None, causal: bool = False):
+    """``(strategy or None, why: text, the estimates considered)``; without a mask cached by the
+    metadata and settings it depends on (every call of a training step asks again)."""
+    if mask is not None or not hasattr(q._spec, "mesh"):
+        return _decide_now(q, k, v, mesh_dim, mask, causal)
+    key = (config.attention_cp, config.attention_cp_gather_bytes, config.attention_cp_pair_seconds,
+           config.attention_cp_byte_seconds, config.attention_cp_collective_seconds, tuple(q.shape),
+           tuple(k.shape), tuple(v.shape), q.dtype, q._spec.placements, q._spec.mesh_shape, mesh_dim, causal)
+    hit = _DECISIONS.get(key)
+    if hit is None:
+        hit = _DECISIONS[key] = _decide_now(q, k, v, mesh_dim, mask, causal)
+        while len(_DECISIONS) > 64:
+            _DECISIONS.popitem(last=False)
+    return hit
+
+
+def _decide_now(q, k, v, mesh_dim: int, mask=None, causal: bool = False):
+    forced = config.attention_cp
+    if forced != "auto":
+        ok = _bytes(forced, q, k, v, mesh_dim, mask, causal) is not None
+        return (forced if ok else None), ("forced by dtshard.config.attention_cp" if ok else
+                                          f"dtshard.config.attention_cp = {forced!r} does not apply"), []
+    ests = [e for s in STRATEGIES if (e := estimate(s, q, k, v, mesh_dim, mask, causal)) is not None]
+    why = "auto: the least estimated step time of the slowest rank"
+    if any(e.strategy == "ring" for e in ests):
+        cap = config.attention_cp_gather_bytes
+        if _gathered_bytes(q, k, v, mesh_dim) > cap:
+            ests = [e for e in ests if e.strategy not in ("allgather_kv", "balanced")]
+            why += f"; K/V whole over attention_cp_gather_bytes ({cap} B): not gathered"
+        if any(e.strategy == "mask_kv" for e in ests) and _mask_held_bytes(mask, q, k, v, mesh_dim) > cap:
+            ests = [e for e in ests if e.strategy != "mask_kv"]
+    if not ests:
+        return None, "no strategy applies", []
+    best = min(ests, key=lambda e: e.seconds)
+    return best.strategy, why, sorted(ests, key=lambda e: e.seconds)
+
+
+class _Decision:
+    """What ``dtshard.debug.explain`` / ``plan_log`` print for a context-parallel call: the strategy
+    that ran and why (the estimates of the others, fastest first)."""
+
+    considered = ()
+
+    def __init__(self, op, text):
+        self.op, self.text = op, text
+
+    def describe(self, specs=None) -> str:
+        return f"{self.op}: context parallelism: {self.text}"
+
+
+def _explain(op, q, mesh_dim, strategy, why, ests) -> None:
+    """Tell the plan observers (``dtshard.debug.explain``) which strategy runs and why."""
+    lines = [f"{strategy} on mesh dim {mesh_dim} ({why}), q {tuple(q.shape)} {tuple(q._spec.placements)}"]
+    lines += [f"    {'->' if e.strategy == strategy else '  '} {e!r}" for e in ests]
+    for obs in _trace.plan_observers:
+        obs(str(op), _Decision(op, "\n".join(lines)), None)
+
+
+def _mask_held_bytes(mask, q, k, v, mesh_dim: int) -> float:
+    """K and V rows one rank holds under mask_kv (received and its own), the most over the ranks."""
+    other = _other(q, mesh_dim)
     return _mask_table(mask, q, k, mesh_dim).max_held * _key_row_bytes(k, v, other)
 
 
@@ -938,7 +1205,7 @@ def sdpa_context_parallel(op, args, kwargs):
             return fam.outputs(op, args, kwargs, o, lse)
     i = _seq_mesh_dim(q, k, v) if not dropout_p else None
     i, mask = _with_mask(op, i, attn_mask, q, k, is_causal)
-    strategy = None if i is None else choose_strategy(q, k, v, i, mask)
+    strategy = None if i is None else _choose(op, q, k, v, i, mask, bool(is_causal))
     if strategy is None:
         return planned(op, *_replicated_mask(op, args, kwargs, fam.mask_name, mask, q))
     placements, causal = q._spec.placements, bool(is_causal)
@@ -954,6 +1221,8 @@ def sdpa_context_parallel(op, args, kwargs):
             lse = to_local(wrap(lse, _spec_like(q, heads, out_shape[:-1], lse.dtype)), placements)
         elif strategy == "mask_kv":
             o, lse = _mask_kv_forward(kern, q, k, v, mask, ml, i, scale, lse_dtype)
+        elif strategy == "balanced":
+            o, lse = _balanced_forward(kern, q, k, v, i, scale, lse_dtype)
         else:
             ql = q._local_tensor
             rows = _runs(q, i)
@@ -967,6 +1236,103 @@ def sdpa_context_parallel(op, args, kwargs):
             o, lse = merge.result()
         return fam.outputs(op, args, kwargs, wrap(o, _spec_like(q, placements, out_shape)),
                            wrap(lse, _spec_like(q, placements, out_shape[:-1], lse.dtype)))
+
+
+def _choose(op, q, k, v, i, mask, causal):
+    """:func:`choose_strategy`, told to ``dtshard.debug.explain`` when it listens."""
+    strategy, why, ests = _decide(q, k, v, i, mask, causal)
+    if strategy is not None and _trace.plan_observers:
+        _explain(op, q, i, strategy, why, ests)
+    return strategy
+
+
+def _acc_dtype(dtype):
+    """The dtype rows travel in when tensors of ``dtype`` and a float32/float64 log-sum-exp go
+    together: a widening, so the values arrive exactly."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _send_rows(x, plan, me, mesh, i, back: bool = False):
+    """balanced's one all_to_all: ``x`` (rows at dim -2) from each busy rank to its partner, or with
+    ``back`` from the partner to the busy rank (the counts reversed); returns the received rows,
+    dim -2."""
+    send, recv = plan.counts(me)
+    if back:
+        send, recv = recv, send
+    got = C.all_to_all(x.movedim(-2, 0).contiguous(), recv, send, mesh, i)
+    return got.movedim(0, -2)
+
+
+def _balanced_forward(kern, q, k, v, i, scale, lse_dtype):
+    """balanced (:class:`_Balance`): K and V gathered as allgather_kv; a busy rank attends all but
+    its last ``m`` rows, its partner those rows (sent over, whole rows against every key), whose
+    output and log-sum-exp come back; nothing moves when the plan moves no row."""
+    full = _with(q._spec.placements, i, Replicate())
+    kl, vl = to_local(k, full), to_local(v, full)
+    ql = q._local_tensor
+    mesh, me = q._spec.mesh, C.mesh_coordinate(q._spec.mesh)[i]
+    plan = _balance(q, k, i, True)
+    keys = ((0, k.shape[-2]),)
+    (a, b), = _runs(q, i) or ((0, 0),)
+    m_out, m_in, partner, src = plan.role(me)
+    merge = _Merge(ql, v.shape[-1], lse_dtype)
+    acc = _acc_dtype(ql.dtype)
+    if plan.moves:
+        theirs = _send_rows(ql[..., ql.shape[-2] - m_out:, :], plan, me, mesh, i)  # (m_in rows)
+    _forward_block(kern, merge, ql[..., :ql.shape[-2] - m_out, :], kl, vl, ((a, b - m_out),), keys, True, scale)
+    if not plan.moves:
+        return merge.result()
+    ev = v.shape[-1]
+    if m_in:
+        sb = _runs(q, i, partner)[0][1]  # the busy partner's rows [sb - m_in, sb)
+        theirs_merge = _Merge(theirs, ev, lse_dtype)
+        _forward_block(kern, theirs_merge, theirs, kl, vl, ((sb - m_in, sb),), keys, True, scale)
+        to, tl = theirs_merge.out, theirs_merge.lse
+        packed = torch.cat([to.to(acc), tl.to(acc).unsqueeze(-1)], -1)
+    else:
+        packed = ql.new_zeros(tuple(ql.shape[:-2]) + (0, ev + 1), dtype=acc)
+    back = _send_rows(packed, plan, me, mesh, i, back=True)  # (m_out rows)
+    if m_out:
+        c = ql.shape[-2]
+        merge.out[..., c - m_out:, :] = back[..., :ev].to(merge.out.dtype)
+        merge.lse[..., c - m_out:] = back[..., ev].to(merge.lse.dtype)
+    return merge.result()
+
+
+def _balanced_backward(kern, dq, dk, dv, local, kl, vl, q, k, i, scale):
+    """The backward of :func:`_balanced_forward` (K and V already gathered, ``dk``/``dv`` the
+    whole-size accumulators the caller reduce_scatters): the busy rank's last ``m`` rows' grad_out,
+    q, out and log-sum-exp go to its partner, which adds their dK/dV into its accumulators and
+    sends their dq back."""
+    g, ql, outl, lsel = local
+    mesh, me = q._spec.mesh, C.mesh_coordinate(q._spec.mesh)[i]
+    plan = _balance(q, k, i, True)
+    keys = ((0, k.shape[-2]),)
+    (a, b), = _runs(q, i) or ((0, 0),)
+    m_out, m_in, partner, _ = plan.role(me)
+    c, e, ev = ql.shape[-2], ql.shape[-1], outl.shape[-1]
+    acc = _acc_dtype(ql.dtype)
+    if plan.moves:
+        t = slice(c - m_out, c)
+        packed = torch.cat([g[..., t, :].to(acc), ql[..., t, :].to(acc), outl[..., t, :].to(acc),
+                            lsel[..., t].to(acc).unsqueeze(-1)], -1)
+        theirs = _send_rows(packed, plan, me, mesh, i)
+    h = slice(0, c - m_out)
+    _backward_block(kern, (dq[..., h, :], dk, dv), g[..., h, :], ql[..., h, :], kl, vl, outl[..., h, :],
+                    lsel[..., h], ((a, b - m_out),), keys, True, scale)
+    if not plan.moves:
+        return
+    if m_in:
+        sb = _runs(q, i, partner)[0][1]
+        tg, tq = theirs[..., :ev].to(g.dtype), theirs[..., ev:ev + e].to(ql.dtype)
+        to, tl = theirs[..., ev + e:ev + e + ev].to(outl.dtype), theirs[..., ev + e + ev].to(lsel.dtype)
+        tdq = torch.zeros_like(tq)
+        _backward_block(kern, (tdq, dk, dv), tg, tq, kl, vl, to, tl, ((sb - m_in, sb),), keys, True, scale)
+    else:
+        tdq = ql.new_zeros(tuple(ql.shape[:-2]) + (0, e))
+    back = _send_rows(tdq, plan, me, mesh, i, back=True)
+    if m_out:
+        dq[..., c - m_out:, :] = back
 
 
 def _ring_forward(op, merge, q, k, v, i, rows, causal, scale, mask=None) -> None:
@@ -1024,7 +1390,7 @@ def sdpa_context_parallel_backward(op, args, kwargs):
                                  and t._spec.mesh is q._spec.mesh and t._spec.extra is None for t in (g, out, lse)):
         i = None
     i, mask = _with_mask(op, i, attn_mask, q, k, is_causal)
-    strategy = None if i is None else choose_strategy(q, k, v, i, mask)
+    strategy = None if i is None else _choose(op, q, k, v, i, mask, bool(is_causal))
     if strategy is None:
         return planned(op, *_replicated_mask(op, args, kwargs, fam.mask_name, mask, q))
     placements, causal = q._spec.placements, bool(is_causal)
@@ -1043,12 +1409,15 @@ def sdpa_context_parallel_backward(op, args, kwargs):
         rows = _runs(q, i)
         local = [t._local_tensor for t in (g, q, out, lse)]
         dq = torch.zeros_like(q._local_tensor)
-        if strategy == "allgather_kv":
+        if strategy in ("allgather_kv", "balanced"):
             full = _with(placements, i, Replicate())
             kl, vl = to_local(k, full), to_local(v, full)
             dk, dv = torch.zeros_like(kl), torch.zeros_like(vl)
-            _backward_block(kern, (dq, dk, dv), local[0], local[1], kl, vl, local[2], local[3], rows,
-                            ((0, k.shape[-2]),), causal, scale, ml)
+            if strategy == "balanced":
+                _balanced_backward(kern, dq, dk, dv, local, kl, vl, q, k, i, scale)
+            else:
+                _backward_block(kern, (dq, dk, dv), local[0], local[1], kl, vl, local[2], local[3], rows,
+                                ((0, k.shape[-2]),), causal, scale, ml)
             partial = _with(placements, i, Partial("sum"))
             dk = to_local(wrap(dk, _spec_like(k, partial)), placements)  # one reduce_scatter each
             dv = to_local(wrap(dv, _spec_like(v, partial)), placements)

@@ -43,6 +43,8 @@ def _cases(world):
     seqs = (2 * world, 2 * world + 3)  # divisible by the ranks, and not
     strategies = [s for s in attention_cp.STRATEGIES if s != "mask_kv"]  # (mask_kv needs a mask)
     for strategy, masking, heads, seq in itertools.product(strategies, ("none", "causal", "causal_kv"), HEADS, seqs):
+        if strategy == "balanced" and masking == "none":
+            continue  # (balanced evens causal work: a call without is_causal is the rule's, run above)
         yield strategy, masking, heads, seq
 
 
@@ -94,7 +96,7 @@ def _run(mesh_shape, compiled=False):
         want.backward(go)
         dts = [dtshard.distribute_tensor(t, m, placements).requires_grad_() for t in (q, k, v)]
         dgo = dtshard.distribute_tensor(go, m, placements)
-        applies = attention_cp._bytes(strategy, *dts, seq_dim_of_mesh) is not None
+        applies = attention_cp._bytes(strategy, *dts, seq_dim_of_mesh, None, causal) is not None
         old = dtshard.config.attention_cp
         dtshard.config.attention_cp = strategy
         try:
@@ -136,13 +138,15 @@ def check_strategies(per_rank, mesh_shape, compiled=False) -> int:
                 if strategy == "allgather_kv":  # K and V gathered, nothing else moves
                     assert kinds == {"all_gather": 2}, (case, kinds)
                     assert received <= 1.25 * kv_once + 1, (case, received, kv_once)
+                elif strategy == "balanced":  # and the busy ranks' last rows out, their results back
+                    assert kinds in ({"all_gather": 2}, {"all_gather": 2, "all_to_all": 2}), (case, kinds)
                 elif strategy == "ring":  # K and V together, one block a step
                     assert kinds == {"all_to_all": mesh_shape[-1] - 1}, (case, kinds)
                     assert received <= 1.25 * kv_once + 1, (case, received, kv_once)
                 else:  # q, k, v to heads, the output and its log-sum-exp back
                     assert kinds == {"all_to_all": 5}, (case, kinds)
     # all-gather of K/V and the ring run for every head layout; ulysses where the heads divide
-    assert {(s, h) for s in ("allgather_kv", "ring") for h in HEADS} <= ran
+    assert {(s, h) for s in ("allgather_kv", "ring", "balanced") for h in HEADS} <= ran
     assert ("ulysses", "mha") in ran
     return cases
 
@@ -152,8 +156,9 @@ def test_sequence_sharded_attention_strategies(mesh_shape):
     check_strategies(run_distributed(_run, math.prod(mesh_shape), mesh_shape), mesh_shape)
 
 
-def test_the_cost_picks_allgather_for_mqa_and_ulysses_for_mha():
-    """Bytes received per rank in the forward, from global shapes (the same on every rank)."""
+def test_the_choice_is_by_the_slowest_ranks_estimated_time():
+    """From global shapes (the same on every rank): the forward's bytes per rank, and the choice by
+    the estimated step time of the slowest rank (attention_cp.estimate)."""
 
     class _Spec:
         def __init__(self, n):
@@ -179,16 +184,31 @@ def test_the_cost_picks_allgather_for_mqa_and_ulysses_for_mha():
     n = 4
     q, kv1, kv4 = _T((1, 8, 4096, 64), n), _T((1, 1, 4096, 64), n), _T((1, 8, 4096, 64), n)
     assert attention_cp._bytes("ulysses", q, kv1, kv1, 0) is None  # 1 key/value head over 4 ranks
-    assert attention_cp.choose_strategy(q, kv1, kv1, 0) == "allgather_kv"
-    assert attention_cp.choose_strategy(q, kv4, kv4, 0) == "ulysses"
+    assert attention_cp._bytes("balanced", q, kv1, kv1, 0) is None  # not causal: nothing to even out
     # MHA: ulysses moves (n-1)/n^2 of q, k, v, out; all-gather (n-1)/n of k and v: n/2 times more
     ratio = attention_cp._bytes("allgather_kv", q, kv4, kv4, 0) / attention_cp._bytes("ulysses", q, kv4, kv4, 0)
     assert ratio == pytest.approx(n / 2)
+    assert attention_cp.choose_strategy(q, kv4, kv4, 0, None, True) == "ulysses"  # balanced, fewest bytes
+    # MQA, causal: allgather_kv's last rank evaluates 1.75x the mean pairs; balanced evens them
+    gather, bal = (attention_cp.estimate(s, q, kv1, kv1, 0, None, True) for s in ("allgather_kv", "balanced"))
+    assert gather.imbalance == pytest.approx(1.75, rel=1e-3) and bal.imbalance < 1.01
+    assert bal.compute < 0.6 * gather.compute
+    assert attention_cp.choose_strategy(q, kv1, kv1, 0, None, True) == "balanced"
+    # short sequences: compute is cheap, the fewer collectives win
+    short = _T((1, 8, 64, 64), n), _T((1, 1, 64, 64), n)
+    assert attention_cp.choose_strategy(short[0], short[1], short[1], 0, None, True) == "allgather_kv"
+    # the costs are settings: compute free, only bytes and calls count
+    old = dtshard.config.attention_cp_pair_seconds
+    dtshard.config.attention_cp_pair_seconds = 0.0
+    try:
+        assert attention_cp.choose_strategy(q, kv1, kv1, 0, None, True) == "allgather_kv"
+    finally:
+        dtshard.config.attention_cp_pair_seconds = old
     # K/V too large to gather whole on one rank: the ring, which receives the same bytes
     old = dtshard.config.attention_cp_gather_bytes
     dtshard.config.attention_cp_gather_bytes = 2**20
     try:
-        assert attention_cp.choose_strategy(q, kv1, kv1, 0) == "ring"
+        assert attention_cp.choose_strategy(q, kv1, kv1, 0, None, True) == "ring"
     finally:
         dtshard.config.attention_cp_gather_bytes = old
     assert attention_cp._bytes("ring", q, kv1, kv1, 0) == attention_cp._bytes("allgather_kv", q, kv1, kv1, 0)
@@ -286,6 +306,8 @@ def _run_masked(mesh_shape, compiled=False):
         # documents: a Replicate DTensor (its local tensor is the mask); the others plain tensors
         dmask = dtshard.distribute_tensor(mask, m, [Replicate()] * len(mesh_shape)) if kind == "documents" else mask
         for strategy in attention_cp.STRATEGIES:
+            if strategy == "balanced":
+                continue  # (causal calls without a mask only)
             dts = [dtshard.distribute_tensor(t, m, placements).requires_grad_() for t in (q, k, v)]
             if strategy == "ulysses" and kind != "random" \
                     and attention_cp._bytes(strategy, *dts, seq_dim_of_mesh) is None:
