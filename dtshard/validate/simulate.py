@@ -111,7 +111,10 @@ def _term(x: torch.Tensor, op: str, n: int, c: int, salt: int, near: bool = Fals
             raise Unbuildable(f"no Partial({op}) terms of a complex tensor")
         if near:
             gap = (x.abs() + 1) / 4 if flt else torch.ones_like(x)
-            offset = torch.where(_checker(x.shape, salt + 1 + c), torch.zeros_like(gap), gap).to(x.dtype)
+            # ties on a checkerboard; never on a 0-d tensor (its board is one square: a tie there
+            # would make every term the value itself, which any claim passes)
+            tie = _checker(x.shape, salt + 1 + c) if x.ndim else torch.zeros((), dtype=torch.bool)
+            offset = torch.where(tie, torch.zeros_like(gap), gap).to(x.dtype)
         else:
             finite = x[torch.isfinite(x)] if flt else x
             span = (finite.max() - finite.min()).item() if finite.numel() else 0

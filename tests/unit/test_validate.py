@@ -183,6 +183,15 @@ def test_missing_hints_hold_beyond_the_one_sample():
     assert not [h for h in hints if "P(max)" in h[0] or "P(min)" in h[0]], hints
     assert scaled_report.incorrect == []
 
+    # a 0-d input (one square of every checkerboard): on v = 0.7 the sample's terms (v - 1 for max,
+    # v + 1 for min) make abs look monotone, P(max) -> P(max) and P(min) -> P(min); a negative v with
+    # terms just past it shows it is not
+    v = torch.tensor(0.7)
+    assert torch.equal(simulate_op(torch.ops.aten.abs.default, (v,), {}, (2,), [(Partial("min"),)],
+                                   [(Partial("min"),)])[0], v.abs())
+    abs_report = validate_op(torch.ops.aten.abs.default, Samples().with_sample((v,)), [(2,)])
+    assert _hints(abs_report) == set() and abs_report.incorrect == [], abs_report.missing
+
 
 def test_ops_are_named_as_torch_library_names_them(tmp_path, monkeypatch):
     """``--op ns::name`` and ``ns::name.overload`` (torch.library's names) next to ``ns.name``;
