@@ -18,7 +18,8 @@ try:  # PyTorch 2.13's SPMD form of fully_shard (dp_mesh_dims); older versions l
 except ImportError:  # pragma: no cover
     DataParallelMeshDims = None
 
-from dtshard.fsdp._api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from dtshard.fsdp._api import (FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method,
+                               share_comm_ctx)
 
 __all__ = ["CPUOffloadPolicy", "DataParallelMeshDims", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy",
-           "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
+           "UnshardHandle", "fully_shard", "register_fsdp_forward_method", "share_comm_ctx"]

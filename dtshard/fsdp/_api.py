@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 import types
 import warnings
 from typing import Any, Callable, Optional
@@ -10,6 +11,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.tensor.placement_types import Shard
 
 from dtshard import collectives as C
 from dtshard.tensor import DTensor
@@ -17,7 +19,7 @@ from dtshard.fsdp._group import ParamGroup, tp_mesh_inside
 from dtshard.fsdp._state import FSDPState
 from dtshard.spec import is_strided, mesh_identity, placements_str
 
-__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method"]
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
 
 
 class UnshardHandle:
@@ -32,8 +34,16 @@ class UnshardHandle:
         self._states = []
 
 
-#: the FSDP module whose ``_apply`` is running (its submodules' calls only convert)
-_APPLYING: list = []
+class _Applying(threading.local):
+    """Per thread: the FSDP modules whose ``_apply`` is running on this thread (their submodules'
+    calls only convert).  Thread-local, so two threads converting two models at once (PyTorch's
+    FSDP2 tests run ranks as threads of one process) never see each other's conversion."""
+
+    def __init__(self):
+        self.stack: list = []
+
+
+_APPLYING = _Applying()
 
 
 class FSDPModule:
@@ -60,16 +70,17 @@ class FSDPModule:
         holding it stay valid), and every group is laid out again in the new dtype and device
         (:meth:`ParamGroup.rebuild`).  Meta-device init: build on ``meta``, ``fully_shard``,
         then ``to_empty(device=...)`` and initialise the (sharded) parameters in place."""
-        if _APPLYING:  # a submodule inside an outer conversion: the outermost rebuilds (once)
+        stack = _APPLYING.stack
+        if stack:  # a submodule inside an outer conversion: the outermost rebuilds (once)
             return super()._apply(fn, recurse)
         states = self._fsdp_states(recurse)
         for state in states:
             state.group.reshard()
-        _APPLYING.append(self)
+        stack.append(self)
         try:
             out = super()._apply(fn, recurse)
         finally:
-            _APPLYING.pop()
+            stack.pop()
         for state in states:  # after every module of a module-list group was converted
             state.group.rebuild()
         return out
@@ -289,6 +300,21 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     module.__setattr__(method_name, types.MethodType(wrapped, module))
 
 
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """PyTorch 2.13's ``share_comm_ctx(modules)``, same signature and argument checks: let several
+    FSDP roots (pipeline-parallel model chunks) share one communication context.  In PyTorch that
+    context is the CUDA streams FSDP issues its all_gathers, reduce_scatters and all_reduces on
+    (shared to avoid memory fragmentation between streams).  dtshard.fsdp issues every collective
+    on the process group's own stream (asynchronous work handles) and has no streams of its own,
+    so every FSDP root already shares it: after checking the arguments (``ValueError`` for an
+    element that is not an FSDP module, as PyTorch) there is nothing to rebind."""
+    if len(modules) == 0:
+        return
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(f"Expects list of FSDPModules but got {module}")
+
+
 def _check_tp_param(where: str, fqn: str, p: DTensor, mesh) -> None:
     """FSDP x TP: a parameter that already is a dtshard DTensor (``parallelize_module`` on the
     ``"tp"`` sub-mesh) is sharded again over ``mesh`` (the ``"dp"`` sub-mesh of the same mesh)."""
@@ -408,6 +434,29 @@ def _from_spmd(where: str, params: list, spmd) -> tuple[list, dict]:
     return out, layouts
 
 
+def _placement_dim(where: str, fqn: str, p, placement) -> int:
+    """The tensor dim a ``shard_placement_fn`` result shards (``None``: 0), as PyTorch reads it:
+    a ``Shard`` (a negative dim counts from the end), else ``ValueError``."""
+    if placement is None:
+        return 0
+    if type(placement).__name__ == "ShardPlacementResult":
+        if getattr(placement, "mesh_info", None) is not None:
+            raise NotImplementedError(
+                f"{where}: shard_placement_fn returned a ShardPlacementResult with its own mesh for {fqn!r}; "
+                "dtshard.fsdp shards every parameter of a group over the group's mesh: return a Shard(dim)")
+        placement = placement.placement
+        if placement is None:
+            return 0
+    if not isinstance(placement, Shard) or type(placement) is not Shard:
+        raise ValueError(f"Invalid shard_placement_fn result: {placement} ({where}: for parameter {fqn!r} of shape "
+                         f"{tuple(p.shape)}; return a Shard(dim) or None)")
+    d = placement.dim + p.dim() if placement.dim < 0 else placement.dim
+    if not 0 <= d < p.dim():
+        raise ValueError(f"{where}: shard_placement_fn returned {placement} for parameter {fqn!r} of shape "
+                         f"{tuple(p.shape)}: Shard dim {placement.dim} is invalid for a {p.dim()}D tensor")
+    return d
+
+
 def _state_of(m, what: str) -> FSDPState:
     if not isinstance(m, FSDPModule):
         raise ValueError(f"{what}: {type(m).__name__} is not a fully_shard module")
@@ -415,23 +464,44 @@ def _state_of(m, what: str) -> FSDPState:
 
 
 _fsdp_classes: dict = {}
+#: guards the process-wide caches below (fully_shard may be called from several threads)
+_LOCK = threading.Lock()
 
 
 def _fsdp_class(cls: type) -> type:
-    hit = _fsdp_classes.get(cls)
-    if hit is None:
-        hit = _fsdp_classes[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
-    return hit
+    with _LOCK:  # one FSDP<Class> per class, also when two threads shard two models at once
+        hit = _fsdp_classes.get(cls)
+        if hit is None:
+            hit = _fsdp_classes[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        return hit
+
+
+#: (device type, world size, id of the default process group) -> (that group, the mesh)
+_DEFAULT_MESHES: dict = {}
 
 
 def _default_mesh():
+    """The mesh of ``fully_shard`` without ``mesh=``: the whole world, 1-D, on the accelerator if
+    there is one (PyTorch's default).  Created once per (device type, world) and reused, so every
+    module of a model sharded without ``mesh=`` holds its parameters on ONE mesh object.  Keyed
+    by the default process group too: a new one (after ``destroy_process_group``, or each rank's
+    own when ranks are threads of one process) gets its own mesh.  The mesh is built outside the
+    lock (building it is collective: ranks that are threads must not wait on each other's lock)."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
         raise RuntimeError("fully_shard: no mesh given and no default process group; call "
                            "dtshard.collectives.init_process_group() or pass mesh=")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return C.init_device_mesh(device, (dist.get_world_size(),))
+    device = torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else "cpu"
+    pg = dist.distributed_c10d._get_default_group()
+    key = (device, dist.get_world_size(), id(pg))
+    with _LOCK:
+        hit = _DEFAULT_MESHES.get(key)
+    if hit is not None and hit[0] is pg:
+        return hit[1]
+    mesh = C.init_device_mesh(device, (key[1],))
+    with _LOCK:
+        return _DEFAULT_MESHES.setdefault(key, (pg, mesh))[1]
 
 
 def fully_shard(
@@ -519,7 +589,8 @@ def fully_shard(
             raise ValueError(f"{where}: reshard_after_forward={reshard_after_forward} (int) with dp_mesh_dims "
                              "without a shard dim (DDP): nothing is sharded; use a bool")
     if mesh.ndim not in (1, 2):
-        raise ValueError(f"{where}: mesh {tuple(mesh.shape)} must be 1-D (FSDP) or 2-D (replicate, shard) (HSDP)")
+        raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh} ({where}: 1-D for FSDP, 2-D "
+                         "(replicate, shard) for HSDP; for FSDP x TP pass mesh['dp'], or use dp_mesh_dims)")
     post_k = None  # reshard_after_forward=k: reshard to groups of k ranks after forward
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         W = mesh.size(mesh.ndim - 1)
@@ -561,9 +632,22 @@ def fully_shard(
                 if (sub, pname) not in [(o, n) for o, n in entry[2]]:
                     entry[2].append((sub, pname))
     params = list(owners.values())
+    for fqn, p, owned_by in params:
+        taken = getattr(p, "_dtshard_fsdp_taken", None)
+        if taken is not None:
+            # a shared (tied) parameter another fully_shard call already sharded: this group would
+            # shard a second copy of it, and the tie would be silently broken (PyTorch: ValueError)
+            other_where, other_fqn = taken
+            here = ", ".join(f"{type(o).__name__}.{n}" for o, n in owned_by)
+            raise ValueError(
+                f"{where}: parameter {fqn!r} (shape {tuple(p.shape)}, registered as {here}) is shared with a parameter "
+                f"already managed by another FSDP group ({other_where}, as {other_fqn!r}). For shared/tied parameters, "
+                "use fully_shard([module_a, module_b]) to place them in the same FSDP group, or let the enclosing "
+                "module's group own both (fully_shard it without sharding either module on its own)")
     spmd_layouts = {}
     if spmd is not None:
         params, spmd_layouts = _from_spmd(where, params, spmd)
+    shard_dims: dict = {}  # fqn -> the tensor dim shard_placement_fn chose, where not 0
     devices = sorted({str(p.device) for _, p, _ in params})
     if len(devices) > 1:
         listing = ", ".join(f"{fqn}: {p.device}" for fqn, p, _ in params)
@@ -584,12 +668,18 @@ def fully_shard(
         if isinstance(p, DTensor):
             _check_tp_param(where, fqn, p, mesh)
         if p.dim() == 0:
-            raise NotImplementedError(f"{where}: parameter {fqn!r} is 0-dim; FSDP shards dim 0 (make it shape (1,))")
+            # PyTorch's wording and type (ValueError), with where it happened
+            raise ValueError(f"fully_shard doesn't support scalar parameters. Change {fqn} to a 1D tensor with "
+                             f"numel equal to 1. ({where}: parameter {fqn!r} is 0-dim; FSDP needs a dim to shard)")
         if shard_placement_fn is not None:
-            placement = shard_placement_fn(p)
-            if placement is not None and not (getattr(placement, "dim", None) == 0 and type(placement).__name__ == "Shard"):
-                raise NotImplementedError(
-                    f"{where}: shard_placement_fn returned {placement!r} for {fqn!r}; only Shard(0) is supported yet")
+            d = _placement_dim(where, fqn, p, shard_placement_fn(p))
+            if d:
+                if isinstance(p, DTensor) or spmd is not None or ddp:
+                    raise NotImplementedError(
+                        f"{where}: shard_placement_fn returned Shard({d}) for {fqn!r} (shape {tuple(p.shape)}) "
+                        "together with tensor parallelism or dp_mesh_dims; there FSDP shards dim 0 only: return "
+                        "Shard(0) (or None) for such parameters")
+                shard_dims[fqn] = d
     inside = {tp_mesh_inside(p._spec.mesh, mesh) for _, p, _ in params if isinstance(p, DTensor)}
     if True in inside and (len(inside) > 1 or any(not isinstance(p, DTensor) for _, p, _ in params)):
         raise ValueError(
@@ -619,7 +709,8 @@ def fully_shard(
                 if b is not None and b.device != device and b.device.type != "meta":
                     buf_owner._buffers[k] = b.to(device)
     group = ParamGroup(modules[0], params, mesh, device, mp_policy, offload_policy,
-                       reshard_after_forward if reshard_after_forward is not None else True, spmd_layouts, ddp=ddp)
+                       reshard_after_forward if reshard_after_forward is not None else True, spmd_layouts, ddp=ddp,
+                       shard_dims=shard_dims)
     if post_k is not None:
         group.post_forward_mesh = C.regrouped_mesh(mesh, post_k)
     state = FSDPState(modules, group, mp_policy, auto_reshard=reshard_after_forward is None)
@@ -631,4 +722,6 @@ def fully_shard(
     for m in modules:
         m._dtshard_fsdp = state
         m.__class__ = _fsdp_class(type(m))
+    for fqn, p, _ in owners.values():  # a tied alias left on a module outside this group must not be sharded again
+        p._dtshard_fsdp_taken = (where, fqn)
     return module

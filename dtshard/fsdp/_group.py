@@ -23,6 +23,7 @@ the replicate dim.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -59,15 +60,18 @@ class _Probe(torch.autograd.Function):
 
 
 _EXCLUSIVE: list = []  # [(tensor refs, storage refs)] of an exclusive, non-view gradient; [] = unknown
+_EXCLUSIVE_LOCK = threading.Lock()  # the calibration runs once, also with ranks as threads
 
 
 def _exclusive_counts() -> Optional[tuple]:
     if not _EXCLUSIVE:
-        _Probe.seen.clear()
-        x = torch.zeros(2, requires_grad=True)
-        with torch.enable_grad():
-            (_Probe.apply(x) * torch.ones(2)).sum().backward()  # the product's gradient: a fresh tensor
-        _EXCLUSIVE.append(_Probe.seen[0] if len(_Probe.seen) == 1 else None)
+        with _EXCLUSIVE_LOCK:
+            if not _EXCLUSIVE:
+                _Probe.seen.clear()
+                x = torch.zeros(2, requires_grad=True)
+                with torch.enable_grad():
+                    (_Probe.apply(x) * torch.ones(2)).sum().backward()  # the product's gradient: a fresh tensor
+                _EXCLUSIVE.append(_Probe.seen[0] if len(_Probe.seen) == 1 else None)
     return _EXCLUSIVE[0]
 
 
@@ -103,10 +107,10 @@ class _ParamInfo:
     fqn: str  # name relative to the fully_shard module, for error messages
     owners: list  # [(submodule, attribute name)]: where it is registered (several if tied)
     shape: tuple
-    row_numel: int  # elements of one dim-0 row
+    row_numel: int  # elements of one row along the shard dim (the product of the other dims)
     padded: int  # elements of one rank's padded piece (c_i * row_numel)
     shard_offset: int  # offset of its piece in the flat shard
-    local_rows: int  # rows this rank holds (torch.chunk layout)
+    local_rows: int  # rows (indices along the shard dim) this rank holds (torch.chunk layout)
     full_offset: int  # offset in the flat unsharded buffer
     numel: int
     requires_grad: bool
@@ -121,6 +125,10 @@ class _ParamInfo:
     tp_inside: bool = False
     #: dp_mesh_dims: ``(full mesh, placements, global shape, DP dims)`` of the DTensor the module gets
     spmd: Optional[tuple] = None
+    #: the tensor dim FSDP shards (``shard_placement_fn``'s ``Shard(dim)``; 0 by default).  A
+    #: rank's piece is stored in its natural (contiguous) layout ``shape[:dim] + (rows,) +
+    #: shape[dim + 1:]``, padded at its end, so the sharded parameter is a contiguous view
+    dim: int = 0
 
 
 class ParamGroup:
@@ -128,8 +136,10 @@ class ParamGroup:
 
     def __init__(self, module: nn.Module, params: list, mesh, device: torch.device, mp_policy,
                  offload_policy, reshard_after_forward: bool, spmd_layouts: Optional[dict] = None,
-                 ddp: bool = False):
+                 ddp: bool = False, shard_dims: Optional[dict] = None):
         self.spmd_layouts = spmd_layouts or {}
+        #: fqn -> the tensor dim ``shard_placement_fn`` chose (absent: 0)
+        self.shard_dims = shard_dims or {}
         #: dp_mesh_dims with replicate dims only (PyTorch's DDP mode of fully_shard): ``mesh`` is the
         #: replicate dim, nothing is sharded (W = 1: the "flat shard" is the whole group, "gathering"
         #: is a copy), and the gradients are all-reduced over ``mesh``: ONE all_reduce per group
@@ -187,6 +197,8 @@ class ParamGroup:
         self.reduce_scatter_comm = None
         self.rs_mesh = None  # (mesh, dim): a process group of the reduce_scatter's own
         self.max_rs_buffers = 1  # reduce_scatter inputs that may be held in flight at once
+        #: gradients accumulated in ``_acc`` for a later call's backward (see reduce_grads' defer)
+        self._deferred = False
         self._init_buffers(params)
 
     # ---- construction -------------------------------------------------------------------
@@ -195,8 +207,9 @@ class ParamGroup:
         for fqn, p, owners in params:
             # FSDP x TP: FSDP shards the TP-local tensor (each rank's TP shard, cut along dim 0)
             shape = tuple(p._local_tensor.shape) if isinstance(p, DTensor) else tuple(p.shape)
-            rows = shape[0]
-            row_numel = math.prod(shape[1:])
+            d = self.shard_dims.get(fqn, 0)
+            rows = shape[d]
+            row_numel = math.prod(shape[:d]) * math.prod(shape[d + 1:])
             c = -(-rows // self.W)
             _, local_rows = chunk_range(rows, self.W, self.rank)
             numel = math.prod(shape)
@@ -208,7 +221,7 @@ class ParamGroup:
             if isinstance(p, DTensor) and not inside:
                 spec = _fsdp_tp_spec(self.mesh, p._spec, ddp=self.ddp)
             else:  # replicated over the FSDP mesh's inner ranks: FSDP's own layout of the whole tensor
-                spec = DTensorSpec(self.mesh, self.placements, shape, contiguous_strides(shape), p.dtype)
+                spec = DTensorSpec(self.mesh, self._param_placements(d), shape, contiguous_strides(shape), p.dtype)
             if inside:
                 # the spatial ranks hold partial terms of ONE batch's gradient: average over the
                 # data-parallel replicas only
@@ -219,7 +232,7 @@ class ParamGroup:
                 # flattened mesh's Shard(0), as PyTorch's FSDP2 does)
                 spec = DTensorSpec(spmd[0], self._spmd_placements(spmd), shape, contiguous_strides(shape), p.dtype)
             self.infos.append(_ParamInfo(fqn, owners, shape, row_numel, c * row_numel, shard_off, local_rows,
-                                         full_off, numel, p.requires_grad, tp, spec, inside, spmd))
+                                         full_off, numel, p.requires_grad, tp, spec, inside, spmd, d))
             shard_off += c * row_numel
             full_off += numel
         self.S = shard_off
@@ -227,11 +240,11 @@ class ParamGroup:
         # the flat shard: zeros in the padding, so the gathered padding is deterministic
         self.flat_shard = torch.zeros(self.S, dtype=self.orig_dtype, device=self.shard_device)
         for info, (fqn, p, owners) in zip(self.infos, params):
-            start, _ = chunk_range(info.shape[0], self.W, self.rank)
+            start, _ = chunk_range(info.shape[info.dim], self.W, self.rank)
             with torch.no_grad():
                 local = self._shard_view(self.flat_shard, info)
                 src = p._local_tensor if isinstance(p, DTensor) else p.detach()
-                local.copy_(src[start:start + info.local_rows])
+                local.copy_(src.narrow(info.dim, start, info.local_rows))
             sharded = nn.Parameter(DTensor(local, info.spec, requires_grad=False), requires_grad=p.requires_grad)
             sharded._dtshard_fsdp_sharded = True  # a later fully_shard on a submodule must not take it
             self.sharded_params.append(sharded)
@@ -282,6 +295,56 @@ class ParamGroup:
         if self._partial_out is not None:
             self._partial_out[0] = self._partial_out[0].to(dtype=self.reduce_dtype, device=self.device)
 
+    def adopt_reassigned(self) -> None:
+        """Lazy init: pick up parameters the user assigned after ``fully_shard`` and before the
+        first forward (``module.weight_norm = nn.Parameter(...)`` after a meta-device init, as
+        PyTorch's FSDP2 does in its lazy init).  The new value is either a dtshard DTensor laid out
+        like the sharded parameter it replaces (e.g. computed from other sharded parameters), or
+        a plain tensor of the parameter's full shape, the same on every rank, of which this rank
+        keeps its shard.  The group is then laid out again (:meth:`rebuild`: no collective)."""
+        changed = False
+        for i, info in enumerate(self.infos):
+            old = self.sharded_params[i]
+            owner, name = info.owners[0]
+            new = owner._parameters.get(name, old)
+            if new is old or new is None:
+                continue
+            where = f"fully_shard({type(self.module).__name__}): parameter {info.fqn!r} (registered as " \
+                f"{type(owner).__name__}.{name})"
+            if info.tp is not None or info.spmd is not None:
+                raise NotImplementedError(f"{where} was re-assigned after fully_shard; with tensor parallelism or "
+                                          "dp_mesh_dims assign before fully_shard, or copy into the parameter in place")
+            if isinstance(new, DTensor):
+                if mesh_identity(new._spec.mesh) != mesh_identity(old._spec.mesh) or \
+                        new._spec.placements != old._spec.placements or tuple(new.shape) != tuple(old.shape):
+                    raise ValueError(
+                        f"{where} was re-assigned after fully_shard with a DTensor of shape {tuple(new.shape)}, "
+                        f"placements {new._spec.placements} on mesh {tuple(new._spec.mesh.shape)}; FSDP expects "
+                        f"shape {tuple(old.shape)}, placements {old._spec.placements} on its mesh "
+                        f"{tuple(old._spec.mesh.shape)}: assign a tensor of the full shape, or a DTensor in that layout")
+                local = new._local_tensor.detach()
+            elif isinstance(new, torch.Tensor):
+                if tuple(new.shape) != tuple(old.shape):
+                    raise ValueError(f"{where} was re-assigned after fully_shard with a tensor of shape "
+                                     f"{tuple(new.shape)}; FSDP expects its full shape {tuple(old.shape)}")
+                start, _ = chunk_range(info.shape[info.dim], self.W, self.rank)
+                local = new.detach().narrow(info.dim, start, info.local_rows)
+            else:
+                continue
+            if local.dtype != old.dtype:
+                raise ValueError(f"{where} was re-assigned after fully_shard with dtype {local.dtype}; the group's "
+                                 f"parameters are {old.dtype}: convert the tensor first")
+            param = nn.Parameter(DTensor(local.clone(), old._spec, requires_grad=False),
+                                 requires_grad=new.requires_grad)
+            param._dtshard_fsdp_sharded = True
+            for o, n in info.owners:
+                o._parameters[n] = param
+            self.sharded_params[i] = param
+            info.requires_grad = param.requires_grad
+            changed = True
+        if changed:
+            self.rebuild()
+
     def _spmd_placements(self, spmd) -> tuple:
         """dp_mesh_dims without another mesh dim: the full mesh's placements of a sharded
         parameter (``Shard(0)`` on the shard dim, ``Replicate`` on the replicate dim)."""
@@ -289,10 +352,18 @@ class ParamGroup:
         dp_names = self.mesh.mesh_dim_names
         return tuple(Shard(0) if n == dp_names[-1] and not self.ddp else Replicate() for n in full.mesh_dim_names)
 
+    def _param_placements(self, dim: int) -> tuple:
+        """FSDP's placements of a parameter sharded on tensor dim ``dim`` (the group's, with
+        ``Shard(dim)`` for ``Shard(0)``)."""
+        if dim == 0:
+            return self.placements
+        return tuple(Shard(dim) if isinstance(q, Shard) else q for q in self.placements)
+
     @staticmethod
     def _shard_view(flat: torch.Tensor, info: _ParamInfo) -> torch.Tensor:
         n = info.local_rows * info.row_numel
-        return flat[info.shard_offset:info.shard_offset + n].view((info.local_rows,) + info.shape[1:])
+        d = info.dim
+        return flat[info.shard_offset:info.shard_offset + n].view(info.shape[:d] + (info.local_rows,) + info.shape[d + 1:])
 
     @staticmethod
     def _free(t: torch.Tensor) -> None:
@@ -338,7 +409,8 @@ class ParamGroup:
                 inp, self._post = self._post, None
                 with _fsdp_op():
                     work = C.all_gather_into(out, inp, self.post_forward_mesh, 1, async_op=True)
-            elif self.ddp:  # nothing sharded: the group's "gathered" layout is its flat shard
+            elif self.ddp or self.W == 1:  # nothing sharded (DDP, or one shard rank): no collective,
+                # the group's "gathered" layout is its flat shard (PyTorch's FSDP2 skips it too)
                 self._post = None
                 inp = self._gather_input()
                 out.copy_(inp)
@@ -399,7 +471,11 @@ class ParamGroup:
     def _rank_pieces(self, full: torch.Tensor, gathered: torch.Tensor, info: _ParamInfo):
         """Pairs (piece of the flat full parameter, the same elements in the (W, S) gathered
         layout) covering the parameter in at most two strided views, no temporary: the ranks
-        holding a whole chunk of ``c`` rows, then the one short chunk (empty ones hold nothing)."""
+        holding a whole chunk of ``c`` rows, then the one short chunk (empty ones hold nothing).
+        ``Shard(dim)`` with ``dim > 0``: the full parameter read as ``(pre, R, post)`` (the dims
+        before, along and after the shard dim), rank r's piece as ``(pre, rows_r, post)``."""
+        if info.dim:
+            return self._rank_pieces_dim(full, gathered, info)
         chunk = info.padded  # c rows
         whole = info.numel // chunk if chunk else 0
         pieces = []
@@ -409,6 +485,23 @@ class ParamGroup:
         rest = info.numel - whole * chunk
         if rest:
             pieces.append((full[whole * chunk:], gathered[whole, info.shard_offset:info.shard_offset + rest]))
+        return pieces
+
+    @staticmethod
+    def _rank_pieces_dim(full: torch.Tensor, gathered: torch.Tensor, info: _ParamInfo):
+        d = info.dim
+        pre, R, post = math.prod(info.shape[:d]), info.shape[d], math.prod(info.shape[d + 1:])
+        c = info.padded // info.row_numel if info.row_numel else 0
+        whole = R // c if c else 0
+        rest = R - whole * c
+        f = full.view(pre, R, post)
+        off = info.shard_offset
+        pieces = []
+        if whole:  # (whole ranks, pre, c, post) on both sides
+            pieces.append((f[:, :whole * c].view(pre, whole, c, post).permute(1, 0, 2, 3),
+                           gathered[:whole, off:off + pre * c * post].view(whole, pre, c, post)))
+        if rest:
+            pieces.append((f[:, whole * c:], gathered[whole, off:off + pre * rest * post].view(pre, rest, post)))
         return pieces
 
     def reshard(self, after_forward: bool = False) -> None:
@@ -432,6 +525,7 @@ class ParamGroup:
         self.drop_post()
         self._acc = None
         self._acc_got = [False] * len(self.infos)
+        self._deferred = False
         self._partial_out = None
 
     def full_views(self) -> list[torch.Tensor]:
@@ -493,7 +587,19 @@ class ParamGroup:
         outs = []
         for info, block in zip(self.infos, blocks):
             c = info.padded // info.row_numel if info.row_numel else 0
-            full = block.reshape((self.W * c,) + info.shape[1:])[:info.shape[0]]
+            d = info.dim
+            if d:  # the ranks' (pre, rows_r, post) pieces joined along the shard dim (as _rank_pieces_dim)
+                pre, R, post = math.prod(info.shape[:d]), info.shape[d], math.prod(info.shape[d + 1:])
+                whole = R // c if c else 0
+                rest = R - whole * c
+                parts = []
+                if whole:
+                    parts.append(block[:whole].reshape(whole, pre, c, post).permute(1, 0, 2, 3).reshape(pre, whole * c, post))
+                if rest:  # the short piece is (pre, rest, post), padded at its end
+                    parts.append(block[whole, :pre * rest * post].reshape(pre, rest, post))
+                full = (torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]).reshape(info.shape)
+            else:
+                full = block.reshape((self.W * c,) + info.shape[1:])[:info.shape[0]]
             if info.tp is None and torch.is_grad_enabled():
                 full = _global_loss_param(full, self.mesh, rescale, type(self.module).__name__,
                                           self.has_tp and self.gradient_divide_factor is not None)
@@ -525,12 +631,22 @@ class ParamGroup:
         return any(i.tp is not None for i in self.infos)
 
     # ---- gradients ------------------------------------------------------------------------
-    def reduce_grads(self, grads) -> Optional[tuple]:
+    def flush_deferred(self) -> Optional[tuple]:
+        """End of backward: reduce gradients held by :meth:`reduce_grads` ``(defer=True)`` for a
+        later call's node that never ran (the same decision on every rank: same program)."""
+        if not self._deferred:
+            return None
+        return self.reduce_grads([None] * len(self.infos))
+
+    def reduce_grads(self, grads, defer: bool = False) -> Optional[tuple]:
         """Post-backward: put the full gradients (None where a parameter got none) into the
         gathered layout in the reduce dtype; without gradient sync accumulate them there, else
-        start the ONE reduce_scatter.  Returns what :meth:`finish_reduce` needs, or None."""
+        start the ONE reduce_scatter.  ``defer``: another call of the module has its backward
+        still to come: accumulate, that one reduces the sum.  Returns what :meth:`finish_reduce`
+        needs, or None."""
         got = [g is not None for g in grads]
-        if not any(got):
+        deferred, self._deferred = self._deferred, False
+        if not any(got) and not deferred:
             return None
         if self._grad_terms or any(type(g) is DTensor for g in grads):
             grads = self._global_loss_grads(grads)
@@ -545,15 +661,19 @@ class ParamGroup:
                     _free_if_exclusive(g)
             had = getattr(self, "_acc_got", [False] * len(self.infos))
             got = [a or b for a, b in zip(got, had)]
-            if not self.requires_gradient_sync:
+            if not self.requires_gradient_sync or defer:
                 self._acc, self._acc_got = buf, got
+                self._deferred = defer and self.requires_gradient_sync
                 return None
             self._acc = None
             self._acc_got = [False] * len(self.infos)
             pre = self._divide_plan()[0]
             if pre is not None:
                 buf.div_(pre)
-            if self.ddp:  # ONE all_reduce of the group's gradients, in place (finish_reduce waits)
+            if self.W == 1 and not self.ddp and not (self.hsdp and self.mesh.size(0) > 1):
+                return [None, buf, None, got]  # one rank: the gradient sum is this rank's (no collective)
+            if self.ddp or self.W == 1:  # ONE all_reduce of the group's gradients, in place (finish_reduce waits)
+                # (DDP; or HSDP with one rank per shard group: only the replicas reduce)
                 if not self.requires_all_reduce:
                     self._keep_partial(buf, got)
                     return None
@@ -856,7 +976,8 @@ def _joint_mesh(dp_mesh, tp_mesh):
     return hit
 
 
-#: (dp mesh, tp mesh) -> their joint mesh: one mesh object for every parameter of a model
+#: (dp mesh, tp mesh) -> their joint mesh: one mesh object for every parameter of a model (a
+#: race between threads builds the same mesh twice and keeps one: nothing is lost)
 _JOINT_MESHES: dict = {}
 
 

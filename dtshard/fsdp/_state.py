@@ -62,6 +62,9 @@ class _Context:
         self.callback_queued = False
         self.pending: list = []  # [(state, reduction)] waiting for the end of backward
         self.is_last_backward = True
+        #: the root's forward is running (between its pre- and post-forward hooks): a module of a
+        #: multi-module group called while it is not runs on its own (see FSDPState._pre_forward)
+        self.in_forward = False
         #: set_post_optim_event: the root's first all_gather of the next forward waits on it
         self.post_optim_event = None
 
@@ -109,6 +112,8 @@ class FSDPState:
             s.ctx = ctx
             if s.auto_reshard:  # the root's parameters are needed first in backward: keep them
                 s.group.reshard_after_forward = s is not self
+        for s in states:  # parameters assigned after fully_shard (PyTorch's lazy init does the same)
+            s.group.adopt_reassigned()
 
     @property
     def is_root(self) -> bool:
@@ -120,10 +125,19 @@ class FSDPState:
             return self._traced_pre_forward(args, kwargs)
         self.lazy_init()
         ctx = self.ctx
+        standalone = False
         if len(self.modules) > 1 and not _in_backward():
-            if self._to_run:  # another module of the list started the group: it is gathered
+            if not ctx.in_forward and not self.is_root:
+                # called on its own, outside the root's forward (torchtitan's chunked loss:
+                # model.head(chunk) per chunk): gathered for this call alone, like a group of one
+                # module; its backward gradients accumulate with the group's other calls
+                # (_post_backward) and are reduced once
+                self._to_run.clear()
+                standalone = True
+            elif self._to_run:  # another module of the list started the group: it is gathered
                 return self._cast_inputs(args, kwargs)
-            self._to_run = {id(m) for m in self.modules}
+            else:
+                self._to_run = {id(m) for m in self.modules}
         if _in_backward():
             # a forward recomputed in backward (activation checkpointing): the group was
             # gathered by its pre-backward hook; only hand the module its parameters
@@ -131,6 +145,7 @@ class FSDPState:
             self._bind(count=False)
             return self._cast_inputs(args, kwargs)
         if self.is_root:
+            ctx.in_forward = True
             self._finish_iteration()  # a forward without backward (eval) may have left work
             if ctx.post_optim_event is not None:  # the optimizer step is done before we gather
                 event, ctx.post_optim_event = ctx.post_optim_event, None
@@ -142,7 +157,7 @@ class FSDPState:
             # never ran) while the optimizer updated the shards: never compute on old values
             self.group.reshard()
         self.group.unshard()  # waits for a prefetched all_gather
-        for other in self._next_in_forward():
+        for other in ([] if standalone else self._next_in_forward()):  # no forward follows a standalone call
             other.group.unshard(async_op=True)
         self._bind()
         return self._cast_inputs(args, kwargs)
@@ -169,6 +184,7 @@ class FSDPState:
                 return output
         self._finish_forward()
         if self.is_root:
+            ctx.in_forward = False
             ctx.order_fixed = True
             for s in ctx.states:  # a module list whose members did not all run: finish it
                 if s is not self and s._to_run:
@@ -304,7 +320,10 @@ class FSDPState:
         self._live = max(self._live - 1, 0)
         if g.reshard_after_backward and self._live == 0:
             g.reshard()
-        red = g.reduce_grads(grads)
+        # a module called several times (chunked loss: model.head(chunk) per chunk; a block reused)
+        # has one _Unshard node per call: the gradients of all but the last node to run are
+        # accumulated, and the group reduces their sum once (end of backward at the latest)
+        red = g.reduce_grads(grads, defer=self._live > 0)
         if red is not None:
             self.ctx.pending.append((self, red))
 
@@ -323,6 +342,10 @@ class FSDPState:
         when ``backward()`` returns, so the optimizer reads finished sharded gradients."""
         ctx = self.ctx
         ctx.callback_queued = False
+        for s in ctx.states:  # calls whose backward did not run (an unused chunk): reduce what came
+            red = s.group.flush_deferred()
+            if red is not None:
+                ctx.pending.append((s, red))
         if ctx.is_last_backward:
             self._drain()
         for s in ctx.states:
@@ -353,6 +376,7 @@ class FSDPState:
                 red[0].wait()
         ctx.pending.clear()
         ctx.callback_queued = False
+        ctx.in_forward = False
         ctx.is_last_backward = True
         ctx.post_optim_event = None
         if not ctx.order_fixed:
