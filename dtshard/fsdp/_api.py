@@ -553,9 +553,40 @@ def fully_shard(
     reduce_scatter, no extra all_reduce) and are averaged over the data-parallel ranks, as in
     PyTorch.  One shard dim, at most one replicate dim (before it) and at most one other dim.
 
+    Without ``mesh=`` the mesh is the whole world (1-D, the accelerator's device type or CPU),
+    created once per (device type, world size, default process group) and reused: every module of
+    a model sharded that way holds its parameters on one mesh object.
+
+    ``shard_placement_fn(param)`` may return ``Shard(d)`` for any tensor dim (negative counts from
+    the end) or None (``Shard(0)``); an uneven split of dim d is supported (PyTorch's FSDP2 refuses
+    it for d > 0).  Each rank's piece is stored contiguously, so the sharded parameter is a
+    contiguous ``Shard(d)`` DTensor, as in PyTorch.
+
+    Shared (tied) parameters must be in ONE group (both modules in one ``fully_shard`` call, or
+    in the enclosing module's group): a parameter another call already sharded raises
+    ``ValueError(... already managed by another FSDP group ...)``, as PyTorch does (at its lazy
+    init; dtshard at the second ``fully_shard`` call, before any collective).
+
+    A parameter re-assigned after ``fully_shard`` and before the first forward (meta-device init,
+    then ``module.w = nn.Parameter(...)``) is picked up by the lazy init: a DTensor in the sharded
+    parameter's layout (PyTorch's case) or a plain tensor of the full shape, the same on every
+    rank (dtshard keeps this rank's shard).
+
+    What is registered: the sharded DTensor parameters, always, the same objects for the module's
+    whole life (``parameters()``, ``state_dict()``, optimizers, DCP, ``clip_grad_norm_`` see them
+    also between a forward and the next reshard).  PyTorch's FSDP2 instead registers the unsharded
+    plain parameters while a group is unsharded (the root after forward, or
+    ``reshard_after_forward=False``).  Inside a forward the module's attributes are the full plain
+    tensors, as in PyTorch.
+
+    A module of a multi-module group called on its own, outside the root's forward (a chunked
+    loss: ``model.head(chunk)`` per chunk), gathers the group for that call; its gradients of all
+    such calls are accumulated and reduced once.
+
     Not yet supported (raise): an int ``reshard_after_forward`` with FSDP x TP, placements
-    other than ``Shard(0)`` from ``shard_placement_fn``, ``dp_mesh_dims`` with several dims
-    flattened or without a shard dim, 0-dim parameters.
+    other than ``Shard(0)`` from ``shard_placement_fn`` for tensor-parallel parameters or with
+    ``dp_mesh_dims``, ``dp_mesh_dims`` with several dims flattened or without a shard dim.
+    0-dim parameters raise ``ValueError`` as in PyTorch.
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     where = (f"fully_shard([{', '.join(type(m).__name__ for m in modules)}])" if isinstance(module, (list, tuple))

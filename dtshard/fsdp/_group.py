@@ -18,6 +18,15 @@ Gradients go the other way: copied (cast to the reduce dtype) into a ``W * S`` b
 gathered layout, one ``reduce_scatter`` leaves this rank's flat gradient shard, whose pieces are
 the sharded gradients.  HSDP (2-D mesh ``(replicate, shard)``) then all-reduces that shard across
 the replicate dim.
+
+``shard_placement_fn``'s ``Shard(d)`` with d > 0: the parameter is cut along dim d the same way
+(``c_i = ceil(shape[d] / W)``, uneven too), and rank r's piece is stored in its natural layout
+``shape[:d] + (rows_r,) + shape[d+1:]``, padded at its end (contiguous: the sharded parameter is
+still a view of the flat shard); the copy-out reads the gathered pieces as ``(pre, rows_r, post)``
+blocks (``_rank_pieces_dim``), and the gradients go in the same way.
+
+With one rank on the shard dim (world size 1) nothing is issued: the "gathered" layout is the
+flat shard, and the gradient sum is this rank's (HSDP with more replicas: their all_reduce only).
 """
 
 from __future__ import annotations
