@@ -858,3 +858,71 @@ def test_chunked_loss_registered_world_one_api_threads_and_pins():
         assert err_ref < 1e-5 and err_torch < 1e-6, (err_ref, err_torch)
         assert pins["manual", "ours"][0] == 0
         assert (pins["manual", "ours"][1] - pins["manual", "torch"][1]).abs().max().item() < 1e-6
+
+
+def _shard_dims_4():
+    """Shard(d) on 4 ranks: HSDP (2, 2) against PyTorch's FSDP2 and one process; FSDP over 4 with
+    an uneven dim that leaves rank 3 an empty shard and reshard_after_forward=2 (backward
+    gathers over pairs), against one process."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    rank, world = _rank()
+    out = {}
+    hsdp = dtshard.init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    flat = dtshard.init_device_mesh("cpu", (world,))
+    for name, mesh, uneven, raf in (("hsdp", hsdp, False, True), ("fsdp4", flat, True, 2)):
+        torch.manual_seed(0)
+        ref, ours = Wide(uneven), Wide(uneven)
+        ours.load_state_dict(ref.state_dict())
+        kw = {"mesh": mesh, "shard_placement_fn": _largest_dim, "reshard_after_forward": raf}
+        fully_shard(ours.head, **kw)
+        fully_shard(ours, **kw)
+        models = [ours, ref]
+        if name == "hsdp":
+            theirs = Wide(uneven)
+            theirs.load_state_dict(ref.state_dict())
+            torch_fully_shard(theirs.head, **kw)
+            torch_fully_shard(theirs, **kw)
+            models.insert(1, theirs)
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+        grad_errs = []
+        for step in range(2):
+            x = torch.randn(2 * world, 5 if uneven else 6, generator=torch.Generator().manual_seed(step))
+            grads = []
+            for m, opt in zip(models, opts):
+                xs = x if m is ref else x[2 * rank:2 * rank + 2]
+                with CommCounter() as c:
+                    m(xs).square().mean().backward()
+                if m is ours:
+                    counts = (c.count("all_gather"), c.count("reduce_scatter"), c.count("all_reduce"))
+                grads.append([p.grad for p in m.parameters()])
+                opt.step()
+                opt.zero_grad()
+            grad_errs.append([_err(grads[0], g) for g in grads[1:]])
+        out[name] = {"grad_errs": grad_errs, "counts": counts,
+                     "errs": [_err(list(ours.parameters()), list(m.parameters())) for m in models[1:]],
+                     "placements": [tuple(p.placements) for p in ours.parameters()],
+                     "local_shapes": [tuple(p.to_local().shape) for p in ours.parameters()]}
+        if name == "hsdp":
+            out[name]["torch_placements"] = [tuple(p.placements) for p in theirs.parameters()]
+    return out
+
+
+def test_shard_dims_on_four_ranks_hsdp_and_reshard_to_pairs():
+    from dtshard import Replicate
+
+    res = run_distributed(_shard_dims_4, 4, timeout=180)
+    for r in res:
+        h, f = r["hsdp"], r["fsdp4"]
+        assert h["placements"] == h["torch_placements"] == [
+            (Replicate(), Shard(2)), (Replicate(), Shard(1)), (Replicate(), Shard(0)), (Replicate(), Shard(0)),
+            (Replicate(), Shard(0))]
+        for errs in h["grad_errs"]:
+            assert errs[0] < 1e-6 and errs[1] < 1e-5, errs  # vs PyTorch's FSDP2, vs one process
+        assert h["errs"][0] < 1e-6 and h["errs"][1] < 1e-5, h["errs"]
+        assert h["counts"] == (4, 2, 2), h["counts"]
+        for errs in f["grad_errs"]:
+            assert errs[0] < 1e-5, errs
+        assert f["errs"][0] < 1e-5 and f["counts"] == (4, 2, 0), f
+    # 4 ranks on the (4, 5) weight's 5 columns: 2, 2, 1, 0 (rank 3's shard is empty)
+    assert [r["fsdp4"]["local_shapes"][1] for r in res] == [(4, 2), (4, 2), (4, 1), (4, 0)]
