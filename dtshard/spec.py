@@ -62,8 +62,14 @@ def chunk_range(size: int, n: int, index: int) -> tuple[int, int]:
 
 
 def chunk_sizes(size: int, n: int) -> list[int]:
-    """Lengths of the ``n`` chunks of ``size`` elements (torch.chunk layout, empty chunks kept)."""
-    return [chunk_range(size, n, i)[1] for i in range(n)]
+    """Lengths of the ``n`` chunks of ``size`` elements (torch.chunk layout, empty chunks kept):
+    ``full`` chunks of ``ceil(size/n)``, then one short chunk, then empty ones (list arithmetic,
+    no per-chunk Python: a group may hold thousands of ranks)."""
+    step = -(-size // n) if n else 0
+    if not step:
+        return [0] * n
+    full, rem = divmod(size, step)
+    return [step] * full + [rem] * (rem > 0) + [0] * (n - full - (rem > 0))
 
 
 def is_strided(p: Placement) -> bool:

@@ -48,6 +48,14 @@ _logger = logging.getLogger("dtshard")
 _padding_noted: set = set()
 
 
+#: reductions whose uneven reduce_scatter over one mesh dim pads every piece to the largest and
+#: leaves the reduction to the backend (what the planner prices: k-1 of the largest piece for
+#: every rank, also what the exact-piece all_to_all costs the rank keeping the largest piece).
+#: max / min keep the all_to_all of the exact pieces and a local reduction: gloo has no MAX/MIN
+#: reduce_scatter.
+PADDED_REDUCE_OPS = ("sum", "avg")
+
+
 def note_padding(spec: DTensorSpec, dim: int, sizes) -> None:
     """Log once per (shape, placements, dim) that an uneven layout pads for a collective."""
     key = (spec.shape, spec.placements, dim)

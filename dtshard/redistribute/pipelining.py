@@ -12,8 +12,9 @@ the one-collective path copies it.
   - "lead" pieces, when the leading dim is not a dim of the collective (S1->R or P->S1 of a
     (rows, cols) tensor, S0->S2 of a 3-D one): each piece is the same collective on a slab of it.
   - "sub" pieces, when the leading dim is the collective's own dim (the all_to_all of S0->S1 or
-    S1->S0 of a 2-D tensor, an all_gather of S1 of a (1, T, H) tensor): each member's block of
-    that dim is cut into pieces.  An all_gather or reduce_scatter moves piece j of every block in
+    S1->S0 of a 2-D tensor, the reduce_scatter of P->S1 of a (1, T, H) tensor): each member's
+    block of that dim is cut into pieces (an all_gather there needs no copy at all: its result
+    lands in place, running._all_gather).  A reduce_scatter moves piece j of every block in
     one collective; an all_to_all moves its pieces pairwise (member m sends to m+t and receives
     from m-t, t = 1..n-1, as an all_to_all with one nonzero split each way), so that each piece
     it receives lands in one contiguous range of the result (gloo's list all_to_all, which would
@@ -40,7 +41,7 @@ import torch
 from dtshard import collectives as C
 from dtshard._config import config
 from dtshard._trace import copy_observers, note_copy
-from dtshard.redistribute.packing import copied, note_padding, numel_except, reduce_terms, with_length
+from dtshard.redistribute.packing import PADDED_REDUCE_OPS, copied, note_padding, numel_except, reduce_terms, with_length
 from dtshard.redistribute.planning import Step
 from dtshard.spec import DTensorSpec, _itemsize, chunk_sizes, local_shape_classes, local_shapes
 
@@ -103,6 +104,8 @@ def choose_pipe(spec: DTensorSpec, state: tuple, step: Step, chunk: int, cap: in
     lead = next((t for t in range(len(spec.shape)) if any(s[t] >= 2 for s in shapes)), None)
     if k < 2 or lead is None or lead > min(dims):
         return None
+    if kind == "all_gather" and lead == dims[0]:
+        return None  # every dim before the gathered one is trivial: lands in place (running)
     if lead not in dims:  # the same length before and after the step on every rank
         k = min(k, min(s[lead] for s in before_shapes))
         return _Pipe(k, lead, False) if k >= 2 else None
@@ -179,43 +182,20 @@ def all_gather_pipelined(x, spec, i, d, sizes, pipe: _Pipe):
     if mine != block:
         note_padding(spec, d, sizes)
     out = x.new_empty(with_length(x.shape, d, sum(sizes)))
-    m = pipe.dim
-    if not pipe.sub:
-        parts = _split(x.shape[m], pipe.pieces)
+    m = pipe.dim  # a leading dim before d ("lead" pieces: choose_pipe never cuts d itself)
+    parts = _split(x.shape[m], pipe.pieces)
 
-        def start(j):
-            a, l = parts[j]
-            xc = x.narrow(m, a, l)
-            buf = xc if mine == block else copied("pack", K.pack(xc, d, [mine], block))
-            recv = x.new_empty((n, *with_length(xc.shape, d, block)))
-            return C.start_all_gather(recv, buf, mesh, i), (recv, a, l)
+    def start(j):
+        a, l = parts[j]
+        xc = x.narrow(m, a, l)
+        buf = xc if mine == block else copied("pack", K.pack(xc, d, [mine], block))
+        recv = x.new_empty((n, *with_length(xc.shape, d, block)))
+        return C.start_all_gather(recv, buf, mesh, i), (recv, a, l)
 
-        def finish(ctx):
-            recv, a, l = ctx
-            _unpack_into(out.narrow(m, a, l), recv, d, sizes)
-    else:  # m == d: piece j of every member's block (padded to the block, as the whole is)
-        parts = _split(block, pipe.pieces)
-        offs = _offsets(sizes)
+    def finish(ctx):
+        recv, a, l = ctx
+        _unpack_into(out.narrow(m, a, l), recv, d, sizes)
 
-        def start(j):
-            a, l = parts[j]
-            valid = max(0, min(l, mine - a))
-            xc = x.narrow(d, min(a, mine), valid)
-            buf = xc if valid == l else copied("pack", K.pack(xc, d, [valid], l))
-            recv = x.new_empty((n, *with_length(x.shape, d, l)))
-            return C.start_all_gather(recv, buf, mesh, i), (recv, a, l)
-
-        def finish(ctx):
-            recv, a, l = ctx
-            moved = 0
-            for r in range(n):
-                v = max(0, min(l, sizes[r] - a))
-                if v:
-                    dst = out.narrow(d, offs[r] + a, v)
-                    dst.copy_(recv[r].narrow(d, 0, v))
-                    moved += dst.numel()
-            if copy_observers:
-                note_copy("unpack", moved * out.element_size())
     _run_pieces(len(parts), start, finish)
     return out
 
@@ -233,15 +213,17 @@ def reduce_scatter_pipelined(x, spec, i, me, op, d, pipe: _Pipe):
         return None  # the caller runs the one-collective path
     out = x.new_empty(with_length(x.shape, d, mine))
     m = pipe.dim
-    if even:
-        C.report_transfer("reduce_scatter", i, (n - 1) * x.numel() * x.element_size() // n, n)
+    if even or op in PADDED_REDUCE_OPS:
+        # uneven blocks padded to the largest, as running's one-collective path does
+        full = out if mine == block else x.new_empty(with_length(x.shape, d, block))
+        C.report_transfer("reduce_scatter", i, (n - 1) * numel_except(x.shape, d) * block * x.element_size(), n)
         if not pipe.sub:
             parts = _split(x.shape[m], pipe.pieces)
 
             def start(j):
                 a, l = parts[j]
                 buf = copied("pack", K.pack(x.narrow(m, a, l), d, sizes, block))
-                return C.start_reduce_scatter(out.narrow(m, a, l), buf, op, mesh, i), None
+                return C.start_reduce_scatter(full.narrow(m, a, l), buf, op, mesh, i), None
         else:  # m == d: piece j of every member's block, stacked member-major (one copy)
             parts = _split(block, pipe.pieces)
             blocks = x.unflatten(d, (n, block))
@@ -251,6 +233,8 @@ def reduce_scatter_pipelined(x, spec, i, me, op, d, pipe: _Pipe):
                 buf = copied("pack", K.slice_copy(blocks, d + 1, a, l))
                 return C.start_reduce_scatter(out.narrow(d, a, l), buf, op, mesh, i), None
         _run_pieces(len(parts), start, _no_finish)
+        if full is not out:
+            out.copy_(full.narrow(d, 0, mine))
         return out
     per_all = numel_except(x.shape, d)
     C.report_transfer("all_to_all", i, (x.numel() - mine * per_all) * x.element_size(), n,

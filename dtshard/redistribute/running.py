@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from dtshard import collectives as C
 from dtshard import layout as L
-from dtshard.redistribute.packing import copied, note_padding, numel_except, parent_length, reduce_terms, region, with_length
+from dtshard.redistribute.packing import PADDED_REDUCE_OPS, copied, note_padding, numel_except, parent_length, reduce_terms, region, with_length
 from dtshard.redistribute.pipelining import (all_gather_pipelined, all_to_all_pipelined, pipe_for,
                                              reduce_scatter_pipelined)
 from dtshard.redistribute.planning import GroupStep, Step, plan
@@ -24,8 +24,19 @@ __all__ = ["redistribute_local"]
 
 
 def _all_gather(x, spec, state, i, coord, d, pipe=None):
-    n = spec.mesh_shape[i]
-    sizes = chunk_sizes(parent_length(spec, state, i, coord, d), n)
+    sizes = chunk_sizes(parent_length(spec, state, i, coord, d), spec.mesh_shape[i])
+    if d and pipe is None and all(v == 1 for v in x.shape[:d]):
+        # every dim before d is trivial: joining along d is joining the flattened rows, which
+        # the collective does in place (no unpack; the planner prices it so: planning._copy_bytes)
+        lead = x.shape[:d]
+        out = _gather_sizes(x.reshape(x.shape[d:]), spec, i, 0, sizes, None, tensor_dim=d)
+        return out.view(*lead, *out.shape)
+    return _gather_sizes(x, spec, i, d, sizes, pipe)
+
+
+def _gather_sizes(x, spec, i, d, sizes, pipe, tensor_dim=None):
+    """All_gather ``x`` along its dim ``d`` over mesh dim ``i`` (``sizes``: every member's length);
+    ``tensor_dim``: the global tensor dim it is, where ``x`` is a view with fewer dims."""
     block = sizes[0]
     if block == 0 or numel_except(x.shape, d) == 0:
         return x.new_zeros(with_length(x.shape, d, sum(sizes)))
@@ -37,7 +48,7 @@ def _all_gather(x, spec, state, i, coord, d, pipe=None):
     if x.shape[d] == block:
         buf = x.unsqueeze(0)  # a full chunk needs no padding
     else:
-        note_padding(spec, d, sizes)
+        note_padding(spec, d if tensor_dim is None else tensor_dim, sizes)
         buf = copied("pack", K.pack(x, d, [x.shape[d]], block))  # pad the short chunk
     gathered = C.all_gather(buf, spec.mesh, i)  # (n, *block shape)
     if d == 0:
@@ -48,18 +59,24 @@ def _all_gather(x, spec, state, i, coord, d, pipe=None):
 
 
 def _reduce_scatter(x, spec, i, me, op, d):
-    return _reduce_scatter_sizes(x, spec, i, me, op, d, chunk_sizes(x.shape[d], spec.mesh_shape[i]))
+    # one mesh dim: the planner prices the step by its largest piece for every rank (planning.
+    # _step_cost), what the padded reduce_scatter receives; the backend does the reduction
+    sizes = chunk_sizes(x.shape[d], spec.mesh_shape[i])
+    return _reduce_scatter_sizes(x, spec, i, me, op, d, sizes, padded=op in PADDED_REDUCE_OPS)
 
 
-def _reduce_scatter_sizes(x, spec, group, me, op, d, sizes):
+def _reduce_scatter_sizes(x, spec, group, me, op, d, sizes, padded=False):
     """Reduce ``x`` over ``group`` (a mesh dim, or a tuple of them flattened); member ``g`` keeps
-    the ``sizes[g]`` rows of dim ``d`` that follow the previous members' (shards nest in order)."""
+    the ``sizes[g]`` rows of dim ``d`` that follow the previous members' (shards nest in order).
+    Uneven pieces: ``padded`` pads them to the largest for one reduce_scatter (every rank receives
+    k-1 of the largest); otherwise an all_to_all of the exact pieces and a local reduction (each
+    rank receives the k-1 other terms of its own piece: group steps are priced so, rank by rank)."""
     block, mine = max(sizes), sizes[me]
     if x.numel() == 0:
         return x.new_zeros(with_length(x.shape, d, mine))
     if d == 0 and all(s == block for s in sizes):
         return C.reduce_scatter(x, op, spec.mesh, group)
-    if any(s != block for s in sizes):
+    if not padded and any(s != block for s in sizes):
         # uneven pieces: padded to the largest, every rank would receive (k-1) x the largest
         # piece; an all_to_all of the exact pieces, then a local reduction, receives only the
         # k-1 other terms of the piece this rank keeps

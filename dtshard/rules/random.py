@@ -44,7 +44,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate
 from dtshard._config import config
 from dtshard.registry import register_handler
 from dtshard.rules._common import aten_ops
-from dtshard.spec import contiguous_strides
+from dtshard.spec import contiguous_strides, local_region, placement_kind, take_region
 from dtshard.tensor import DTensor
 
 aten = torch.ops.aten
@@ -91,6 +91,22 @@ def _from_full(full: torch.Tensor, mesh, placements):
     rep = [Replicate()] * mesh.ndim
     d = DT.from_local(full, mesh, rep, shape=tuple(full.shape), stride=tuple(full.stride()))
     return d.redistribute(mesh, list(placements)) if tuple(placements) != tuple(rep) else d
+
+
+def _write_full(a, full: torch.Tensor, mesh) -> None:
+    """Write the global value ``full`` (the same on every rank) into the DTensor ``a`` in place.
+    Shards (strided ones too) and replicas take their region of it by a local copy: no plan, no
+    collective (an ``nn.init`` of every parameter of a model on thousands of ranks plans nothing).
+    A Partial, a view (its writes reach its base through dispatch's alias handling), a layout
+    extension's shard, a rank outside the mesh and traced local tensors go through ``copy_``."""
+    coord = mesh.get_coordinate()
+    local = a._local_tensor
+    if coord is not None and type(local) is torch.Tensor and not a._is_view() and a._spec.extra is None \
+            and all(placement_kind(p) in "STR" for p in a.placements):
+        region = local_region(tuple(a.shape), tuple(mesh.shape), tuple(a.placements), coord)
+        local.copy_(take_region(full, region))
+        return
+    aten.copy_.default(a, _from_full(full, mesh, a.placements))
 
 
 def _global_value(value: torch.Tensor, shape: tuple, stride: tuple) -> torch.Tensor:
@@ -193,7 +209,7 @@ def _random_impl(op, args, kwargs):
     for k, a in enumerate(args):
         info = schema_args[k].alias_info if k < len(schema_args) else None
         if isinstance(a, DT) and info is not None and info.is_write:
-            aten.copy_.default(a, _from_full(fargs[k], mesh, a.placements))
+            _write_full(a, fargs[k], mesh)
     returns = op._schema.returns
     if len(returns) == 1 and returns[0].alias_info is not None and returns[0].alias_info.is_write:
         return args[0]

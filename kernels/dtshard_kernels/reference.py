@@ -260,8 +260,14 @@ def halo_split(grad: torch.Tensor, dim: int, sizes: Sequence[int], pad_left: int
 
 def _pack(x, dim, sizes, block):
     out = x.new_empty([len(sizes), *_with(x.shape, dim, block)])
-    off = 0
-    for r, s in enumerate(sizes):
+    k, b = _leading_run(sizes)  # a run of full blocks: one strided copy
+    if not k or b != block:
+        k = 0
+    if k:
+        out[:k].copy_(x.narrow(dim, 0, k * block).unflatten(dim, (k, block)).movedim(dim, 0))
+    off = k * block
+    for r in range(k, len(sizes)):
+        s = sizes[r]
         dst = out[r]
         if s:
             dst.narrow(dim, 0, s).copy_(x.narrow(dim, off, s))
@@ -272,22 +278,45 @@ def _pack(x, dim, sizes, block):
 
 
 def _unpack(buf, dim, sizes):
-    if sizes and all(s == buf.shape[dim + 1] for s in sizes):
-        # no padding anywhere: one concatenation of the blocks (always a new tensor)
-        return torch.cat(buf.unbind(0), dim)
+    block = buf.shape[dim + 1]
     out = buf.new_empty(_with(buf.shape[1:], dim, sum(sizes)))
-    off = 0
-    for r, s in enumerate(sizes):
+    # the leading run of full blocks lands in ONE strided copy (the blocks' axis moved next to
+    # ``dim``; see _leading_run)
+    full, b = _leading_run(sizes)
+    if full and b == block:
+        out.narrow(dim, 0, full * block).unflatten(dim, (full, block)).copy_(buf[:full].movedim(0, dim))
+    else:
+        full = 0
+    off = full * block
+    for r in range(full, len(sizes)):
+        s = sizes[r]
         if s:
             out.narrow(dim, off, s).copy_(buf[r].narrow(dim, 0, s))
         off += s
     return out
 
 
+def _leading_run(sizes) -> tuple[int, int]:
+    """(k, b): the first ``k`` sizes all equal ``b > 0`` (k >= 2), else (0, 0).  A chunk layout
+    (torch.chunk: full chunks, one short, empty ones) is mostly such a run, and moving the run as
+    ONE strided copy costs one kernel where a copy per piece costs one per rank of the group."""
+    if len(sizes) < 2 or not sizes[0]:
+        return 0, 0
+    k = 1
+    while k < len(sizes) and sizes[k] == sizes[0]:
+        k += 1
+    return (k, sizes[0]) if k >= 2 else (0, 0)
+
+
 def _a2a_pack(x, dim, sizes):
     per = _numel_except(x.shape, dim)
     out = x.new_empty([per * sum(sizes)])
-    off = 0
+    k, b = _leading_run(sizes) if per else (0, 0)
+    if k:
+        out.narrow(0, 0, per * k * b).view(k, *_with(x.shape, dim, b)).copy_(
+            x.narrow(dim, 0, k * b).unflatten(dim, (k, b)).movedim(dim, 0))
+        sizes = sizes[k:]
+    off = k * b
     for s in sizes:
         if s and per:
             out.narrow(0, per * off, per * s).view(_with(x.shape, dim, s)).copy_(x.narrow(dim, off, s))
@@ -298,7 +327,12 @@ def _a2a_pack(x, dim, sizes):
 def _a2a_unpack(flat, shape, dim, sizes):
     per = _numel_except(shape, dim)
     out = flat.new_empty(_with(shape, dim, sum(sizes)))
-    off = 0
+    k, b = _leading_run(sizes) if per else (0, 0)
+    if k:
+        out.narrow(dim, 0, k * b).unflatten(dim, (k, b)).copy_(
+            flat.narrow(0, 0, per * k * b).view(k, *_with(shape, dim, b)).movedim(0, dim))
+        sizes = sizes[k:]
+    off = k * b
     for s in sizes:
         if s and per:
             out.narrow(dim, off, s).copy_(flat.narrow(0, per * off, per * s).view(_with(shape, dim, s)))

@@ -191,9 +191,9 @@ _CASES_2 = [
     ((2,), (13, 7), ("S1",), ("R",), "float32", C16, 1),
     ((2,), (9, 5), ("S1",), ("R",), "float64", C16, 2),
     ((2,), (12, 10), ("S1",), ("R",), "int64", C16, 3),
-    # the gathered dim leads: pieces of each member's block, even and padded
-    ((2,), (1, 12, 6), ("S1",), ("R",), "float32", C16, 4),
-    ((2,), (1, 13, 6), ("S1",), ("R",), "float32", C16, 5),
+    # 3-D, the gathered dim after the leading one: pieces of the leading dim
+    ((2,), (2, 12, 6), ("S1",), ("R",), "float32", C16, 4),
+    ((2,), (3, 13, 6), ("S1",), ("R",), "float32", C16, 5),
     # P -> S(1): each piece lands in place; uneven: pieces of the exact all_to_all + reduction
     ((2,), (12, 10), ("Psum",), ("S1",), "float32", C16, 6),
     ((2,), (12, 10), ("Psum",), ("S1",), "int64", C16, 7),
@@ -232,8 +232,23 @@ _CASES_4 = [
 ]
 
 
+#: the gathered dim leads (every dim before it has length 1): the one all_gather lands in place,
+#: even and padded, so nothing is unpacked and nothing is pipelined
+_IN_PLACE_2 = [
+    ((2,), (1, 12, 6), ("S1",), ("R",), "float32", C16, 22),
+    ((2,), (1, 13, 6), ("S1",), ("R",), "float32", C16, 23),
+]
+
+
 def test_pipelined_2_ranks():
-    _check(run_distributed(_compare, 2, _CASES_2))
+    results = run_distributed(_compare, 2, _CASES_2 + _IN_PLACE_2)
+    k = len(_CASES_2)
+    _check([r[:k] for r in results])
+    for per_rank in zip(*(r[k:] for r in results)):
+        for r in per_rank:
+            assert r["starts"] == 0 and len(r["records"]) == 1, (r["ctx"], r["starts"], r["records"])
+            # nothing unpacked (the short chunk of the uneven case is padded on the way in)
+            assert r["plain"]["unpack"] == 0 and r["plain"] == r["piped"], (r["ctx"], r["plain"], r["piped"])
 
 
 def test_pipelined_4_ranks_and_2x2():

@@ -120,6 +120,8 @@ def old_choose_pipe(spec_, state, step, chunk, cap):
     lead = next((t for t in range(len(spec_.shape)) if any(s[t] >= 2 for s in shapes)), None)
     if k < 2 or lead is None or lead > min(dims):
         return None
+    if kind == "all_gather" and lead == dims[0]:
+        return None  # (since the in-place gather of a leading dim: not a walk, the same rule)
     if lead not in dims:
         k = min(k, min(s[lead] for s in before_shapes))
         return _Pipe(k, lead, False) if k >= 2 else None
