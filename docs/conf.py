@@ -52,7 +52,8 @@ napoleon_numpy_docstring = False
 
 html_theme = "furo"
 html_title = f"dtshard {release}"
-html_static_path = []
+html_static_path = ["_static"]
+html_css_files = ["dtshard.css"]
 html_theme_options = {
     "source_edit_link": None,
     "navigation_with_keys": True,
