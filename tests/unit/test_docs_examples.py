@@ -216,3 +216,20 @@ def test_every_python_block_is_run_or_marked():
             assert set(opts) <= known, f"{b.where}: unknown docs-test marker {b.marker!r}"
             n_python += b.lang == "python"
     assert n_python > 20
+
+
+def test_the_checks_can_fail(tmp_path):
+    """The runner is not a rubber stamp: a wrong shown output, a failing block and a skip without
+    a reason each fail it."""
+    ROOT_TMP = tmp_path / "docs"
+    ROOT_TMP.mkdir()
+    cases = {
+        "wrong_output": '```python\nprint("rank 0: 3 rows")\n```\n\n<!-- docs-test: expect-output -->\n```text\nrank 0: 2 rows\n```\n',
+        "failing_block": "```python\nassert 1 + 1 == 3\n```\n",
+        "skip_without_reason": "<!-- docs-test: skip: -->\n```python\nx = 1\n```\n",
+    }
+    for name, text in cases.items():
+        page = ROOT_TMP / f"{name}.md"
+        page.write_text(text)
+        with mock.patch(f"{__name__}.ROOT", tmp_path), pytest.raises(AssertionError):
+            run_page(page, tmp_path)
