@@ -54,6 +54,9 @@ query's layout (``out`` and ``logsumexp`` sequence-sharded), whatever strategy r
   rows' grad_out, q, out and log-sum-exp to the partner, which adds their dK/dV into its whole-size
   accumulators (reduce_scattered to the owners as allgather_kv's) and sends their dq back.
   Received per rank, forward: allgather_kv's plus ``m`` query rows (or their output rows).
+  Eager only: while a graph is traced (torch.compile) it does not apply and ``auto`` takes the
+  others (the busy and the idle rank trace different programs, which AOTAutograd partitioned into
+  backward graphs with different collectives); forced there, the call takes the rule's plan.
 - **Ulysses x ring** (the sequence on two mesh dims ``(i0, i1)``, heads divisible by ``i1``'s
   size): q, k, v move their ``i1`` shards from the sequence to the heads (Ulysses, one all_to_all
   each), the call runs again with the sequence on ``i0`` alone (any strategy above, by cost, the
@@ -595,7 +598,7 @@ def _balance(q, k, mesh_dim: int, causal: bool, mask=None) -> _Balance | None:
     mask, on a plain ``Shard`` of one mesh dim, whose pairs of ranks differ)."""
     if not causal or mask is not None or getattr(q._spec, "has_strided", False):
         return None
-    if q._spec.placements[mesh_dim] != Shard(q.dim() - 2):
+    if q._spec.placements[mesh_dim] != Shard(q.dim() - 2) or _tracing():
         return None
     key = (q.shape[-2], k.shape[-2], q._spec.mesh_shape[mesh_dim])
     plan = _BALANCES.get(key)
@@ -1025,6 +1028,13 @@ def values_readable(t) -> bool:
     return not any(isinstance(m, _TRACING_MODES) for m in _get_current_dispatch_mode_stack())
 
 
+def _tracing() -> bool:
+    """Is a graph being traced (torch.compile, or a fake / proxy / functionalization mode)?"""
+    if torch.compiler.is_compiling() or any(torch._C._get_dispatch_mode(key) is not None for key in _TRACING_KEYS):
+        return True
+    return any(isinstance(m, _TRACING_MODES) for m in _get_current_dispatch_mode_stack())
+
+
 def unwatched():
     """The dispatch modes off (a reading of values that the plan depends on: an observer's
     counts must be those of a run without it).  Only after :func:`values_readable`, so no
@@ -1296,14 +1306,17 @@ def _balanced_forward(kern, q, k, v, i, scale, lse_dtype):
         c = ql.shape[-2]
         merge.out[..., c - m_out:, :] = back[..., :ev].to(merge.out.dtype)
         merge.lse[..., c - m_out:] = back[..., ev].to(merge.lse.dtype)
-    return merge.result()
+    o, lse = merge.result()
+    # (compiled: the exchange this rank receives nothing from stays in its graph)
+    unread = [t for t, m in ((theirs, m_in), (back, m_out)) if not m]
+    return C.consumed(o, *unread), lse
 
 
 def _balanced_backward(kern, dq, dk, dv, local, kl, vl, q, k, i, scale):
     """The backward of :func:`_balanced_forward` (K and V already gathered, ``dk``/``dv`` the
     whole-size accumulators the caller reduce_scatters): the busy rank's last ``m`` rows' grad_out,
     q, out and log-sum-exp go to its partner, which adds their dK/dV into its accumulators and
-    sends their dq back."""
+    sends their dq back.  Returns ``dq`` (filled in)."""
     g, ql, outl, lsel = local
     mesh, me = q._spec.mesh, C.mesh_coordinate(q._spec.mesh)[i]
     plan = _balance(q, k, i, True)
@@ -1321,7 +1334,7 @@ def _balanced_backward(kern, dq, dk, dv, local, kl, vl, q, k, i, scale):
     _backward_block(kern, (dq[..., h, :], dk, dv), g[..., h, :], ql[..., h, :], kl, vl, outl[..., h, :],
                     lsel[..., h], ((a, b - m_out),), keys, True, scale)
     if not plan.moves:
-        return
+        return dq
     if m_in:
         sb = _runs(q, i, partner)[0][1]
         tg, tq = theirs[..., :ev].to(g.dtype), theirs[..., ev:ev + e].to(ql.dtype)
@@ -1333,6 +1346,7 @@ def _balanced_backward(kern, dq, dk, dv, local, kl, vl, q, k, i, scale):
     back = _send_rows(tdq, plan, me, mesh, i, back=True)
     if m_out:
         dq[..., c - m_out:, :] = back
+    return C.consumed(dq, *[t for t, m in ((theirs, m_in), (back, m_out)) if not m])
 
 
 def _ring_forward(op, merge, q, k, v, i, rows, causal, scale, mask=None) -> None:
@@ -1414,7 +1428,7 @@ def sdpa_context_parallel_backward(op, args, kwargs):
             kl, vl = to_local(k, full), to_local(v, full)
             dk, dv = torch.zeros_like(kl), torch.zeros_like(vl)
             if strategy == "balanced":
-                _balanced_backward(kern, dq, dk, dv, local, kl, vl, q, k, i, scale)
+                dq = _balanced_backward(kern, dq, dk, dv, local, kl, vl, q, k, i, scale)
             else:
                 _backward_block(kern, (dq, dk, dv), local[0], local[1], kl, vl, local[2], local[3], rows,
                                 ((0, k.shape[-2]),), causal, scale, ml)
