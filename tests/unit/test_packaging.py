@@ -132,7 +132,7 @@ print(json.dumps({"available": available, "installed": installed,
 """
 
 
-def _probe(code: str, extra_path: str | None = None) -> dict:
+def _probe(code: str, extra_path: str | None = None, lines: int = 1):
     import json
 
     env = dict(os.environ)
@@ -142,7 +142,8 @@ def _probe(code: str, extra_path: str | None = None) -> dict:
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, f"probe from the repository root failed:\n{proc.stdout}\n{proc.stderr}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    got = [json.loads(line) for line in proc.stdout.strip().splitlines()[-lines:]]
+    return got[0] if lines == 1 else got
 
 
 def test_kernels_folder_never_shadows_pypi_kernels(tmp_path):
@@ -162,15 +163,14 @@ def test_kernels_folder_never_shadows_pypi_kernels(tmp_path):
     assert got["second_copy"] is None, got
     assert got["dtshard_kernels"] == "dtshard_kernels"
 
-    # without it (whatever this venv has): `kernels` is never a package of ours, and reaching our code
-    # through the folder (`kernels.dtshard_kernels`, a second copy) is refused
-    got = _probe(_PROBE)
-    assert not got["regular_kernels_is_ours"] and not got["kernels_file_is_ours"], got
-    assert got["second_copy"] is None, got
-
 
 def test_transformers_imports_from_the_repository_root():
-    got = _probe(_TRANSFORMERS_PROBE)
+    got, kernels = _probe(_TRANSFORMERS_PROBE + _PROBE, lines=2)
     assert not got["loaded_is_ours"], got
     # transformers sees the `kernels` distribution exactly when one is installed, never our folder
     assert got["available"] <= got["installed"], got
+    # with whatever this venv has (PyPI's kernels or none: then an empty namespace), `kernels` is
+    # never a package of ours, and our code through the folder (`kernels.dtshard_kernels`, a second
+    # copy) is refused
+    assert not kernels["regular_kernels_is_ours"] and not kernels["kernels_file_is_ours"], kernels
+    assert kernels["second_copy"] is None, kernels
