@@ -85,7 +85,11 @@ def zeros(*size, requires_grad: bool = False, dtype: Optional[torch.dtype] = Non
 def ones(*size, dtype: Optional[torch.dtype] = None, layout: torch.layout = torch.strided,
          requires_grad: bool = False, device_mesh: Optional[DeviceMesh] = None,
          placements: Optional[Sequence[Placement]] = None):
-    """A DTensor of ones of global shape ``size`` (as ``torch.distributed.tensor.ones``)."""
+    """A DTensor of ones of global shape ``size`` (as ``torch.distributed.tensor.ones``).
+
+    Different on a ``Partial`` placement: the value is ones (one coordinate holds them, the
+    reduction's identity the others); PyTorch's ``ones(..., placements=[Partial()])`` fills every
+    rank, so its value reduces to ``n`` ones."""
     return _factory("ones", lambda s, dt, dev: torch.ones(s, dtype=dt, device=dev), size, dtype=dtype,
                     layout=layout, requires_grad=requires_grad, device_mesh=device_mesh, placements=placements)
 
@@ -112,7 +116,11 @@ def rand(*size, requires_grad: bool = False, dtype: Optional[torch.dtype] = None
          layout: torch.layout = torch.strided, device_mesh: Optional[DeviceMesh] = None,
          placements: Optional[Sequence[Placement]] = None):
     """Uniform [0, 1) random DTensor of global shape ``size``: the values ``torch.rand(size)`` draws in
-    one process under the same seed, on any placements (see the module docstring)."""
+    one process under the same seed, on any placements (see the module docstring).
+
+    Different from ``torch.distributed.tensor.rand``, which draws each shard from an offset RNG (its
+    values change with the mesh and placements, and it raises on a CPU mesh); here every rank draws
+    the global tensor and keeps its slice (no communication, O(global) work)."""
     return _factory("rand", lambda s, dt, dev: torch.empty(s, dtype=dt, device=dev), size, dtype=dtype,
                     layout=layout, requires_grad=requires_grad, device_mesh=device_mesh, placements=placements,
                     fill=lambda t: t.uniform_(0.0, 1.0))
@@ -122,7 +130,9 @@ def randn(*size, requires_grad: bool = False, dtype: Optional[torch.dtype] = Non
           layout: torch.layout = torch.strided, device_mesh: Optional[DeviceMesh] = None,
           placements: Optional[Sequence[Placement]] = None):
     """Standard normal random DTensor of global shape ``size``: the values ``torch.randn(size)`` draws
-    in one process under the same seed, on any placements (see the module docstring)."""
+    in one process under the same seed, on any placements (see the module docstring).
+
+    Different from ``torch.distributed.tensor.randn``: see :func:`rand`."""
     return _factory("randn", lambda s, dt, dev: torch.empty(s, dtype=dt, device=dev), size, dtype=dtype,
                     layout=layout, requires_grad=requires_grad, device_mesh=device_mesh, placements=placements,
                     fill=lambda t: t.normal_(0.0, 1.0))
