@@ -33,7 +33,9 @@ class config:
     #: transfers) or lost (8 pieces; pairwise all_to_all pieces on 4 ranks).  On CUDA (NCCL) the
     #: same size, unmeasured here: NCCL reaches its bandwidth well below 8 MiB a message.
     pipeline_chunk_bytes: int = 8 * 2**20
+    #: The most pieces one pipelined transfer is cut into (see ``pipeline_chunk_bytes``).
     pipeline_max_chunks: int = 8
+    #: The mesh device types on which transfers are pipelined (see ``pipeline_chunk_bytes``).
     pipeline_device_types: tuple = ("cpu", "cuda")
     #: A ``ColwiseParallel`` / ``RowwiseParallel`` ``nn.Linear`` runs each eager call as ONE
     #: autograd node over local tensors when it can (``dtshard.parallel._linear``: the same
@@ -47,6 +49,8 @@ class config:
     #: (benchmarks/README.md): eagerly, backward 7% faster on 2 and 4 CPU ranks, forward no gain
     #: there (its join costs a copy of the output), so the forward part is off by default.
     halo_overlap: bool = True
+    #: The forward part of ``halo_overlap``: compute the rows that need no halo while the halo
+    #: travels (off: no gain measured on CPU).
     halo_overlap_forward: bool = False
     #: The same overlap under torch.compile (``halo_overlap_compiled``): the exchange is then an
     #: async functional all_to_all whose wait the graph places after the interior compute.  Off by
@@ -76,6 +80,8 @@ class config:
     #: tests).  "auto" gathers K and V whole only up to ``attention_cp_gather_bytes`` per rank,
     #: else passes them around the ring.  ``dtshard.debug.explain`` prints each call's estimates.
     attention_cp: str = "auto"
+    #: The most bytes of K and V per rank ``attention_cp = "auto"`` gathers whole; above, it
+    #: passes them around the ring.
     attention_cp_gather_bytes: int = 256 * 2**20
     #: The costs ``auto`` estimates with (benchmarks/README.md "Context parallelism" has the
     #: measurement, on the project's 2-core CPU with gloo, 4 ranks): seconds per (query, key) pair
@@ -85,7 +91,9 @@ class config:
     #: (the latency of an 8-byte all_gather there).  On a GPU with NCCL the pair cost is ~1000x
     #: smaller and the byte cost ~100x: set the three to your machine's (their ratios decide).
     attention_cp_pair_seconds: float = 6.5e-11
+    #: Seconds per byte a rank receives (see ``attention_cp_pair_seconds``).
     attention_cp_byte_seconds: float = 6.6e-9
+    #: Seconds per collective call (see ``attention_cp_pair_seconds``).
     attention_cp_collective_seconds: float = 2e-3
     #: Debug switch: before context parallelism uses an attention mask, check that every rank of
     #: the mesh holds the same one (a digest of its bytes, one all_gather_object per call).  The
