@@ -1241,9 +1241,13 @@ def sdpa_context_parallel(op, args, kwargs):
                 full = _with(placements, i, Replicate())
                 kl, vl = to_local(k, full), to_local(v, full)
                 _forward_block(kern, merge, ql, kl, vl, rows, ((0, k.shape[-2]),), causal, scale, ml)
+                received = (kl, vl)
             else:
-                _ring_forward(kern, merge, q, k, v, i, rows, causal, scale, ml)
+                received = _ring_forward(kern, merge, q, k, v, i, rows, causal, scale, ml)
             o, lse = merge.result()
+            # (compiled: a rank with no query row computes nothing with what it received; the
+            # exchanges stay in its graph all the same)
+            o = C.consumed(o, *received)
         return fam.outputs(op, args, kwargs, wrap(o, _spec_like(q, placements, out_shape)),
                            wrap(lse, _spec_like(q, placements, out_shape[:-1], lse.dtype)))
 
@@ -1349,12 +1353,14 @@ def _balanced_backward(kern, dq, dk, dv, local, kl, vl, q, k, i, scale):
     return C.consumed(dq, *[t for t, m in ((theirs, m_in), (back, m_out)) if not m])
 
 
-def _ring_forward(op, merge, q, k, v, i, rows, causal, scale, mask=None) -> None:
+def _ring_forward(op, merge, q, k, v, i, rows, causal, scale, mask=None) -> list:
     """Pass K/V around the ring: at step ``t`` this rank holds the block of rank ``me - t`` and
-    computes with it while the next block travels (issued before the compute, waited after)."""
+    computes with it while the next block travels (issued before the compute, waited after).
+    Returns the blocks received (for :func:`collectives.consumed`)."""
     n, me = q._spec.mesh_shape[i], C.mesh_coordinate(q._spec.mesh)[i]
     chunks = _chunks(k, i)
     blocks = [k._local_tensor, v._local_tensor]
+    received = []
     for t in range(n):
         src = (me - t) % n
         pending = None
@@ -1363,6 +1369,8 @@ def _ring_forward(op, merge, q, k, v, i, rows, causal, scale, mask=None) -> None
         _forward_block(op, merge, q._local_tensor, blocks[0], blocks[1], rows, chunks[src], causal, scale, mask)
         if pending is not None:
             blocks = _arrived(pending)
+            received += blocks
+    return received
 
 
 def _lse_dtype(dtype):
@@ -1435,6 +1443,7 @@ def sdpa_context_parallel_backward(op, args, kwargs):
             partial = _with(placements, i, Partial("sum"))
             dk = to_local(wrap(dk, _spec_like(k, partial)), placements)  # one reduce_scatter each
             dv = to_local(wrap(dv, _spec_like(v, partial)), placements)
+            dq = C.consumed(dq, kl, vl)  # (compiled: a rank with no row computes nothing with them)
         else:
             dk, dv = _ring_backward(kern, dq, local, k, v, i, rows, causal, scale, ml)
         return (wrap(dq, _spec_like(q, placements)), wrap(dk, _spec_like(k, placements)),
@@ -1463,6 +1472,7 @@ def _ring_backward(op, dq, local, k, v, i, rows, causal, scale, mask=None):
     kb, vb = k._local_tensor, v._local_tensor
     dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)
     g, ql, outl, lsel = local
+    received = []
     for t in range(n):
         src = (me - t) % n
         pending = None
@@ -1473,8 +1483,9 @@ def _ring_backward(op, dq, local, k, v, i, rows, causal, scale, mask=None):
         grads = _arrived(_shift([dk, dv], _length(chunks[(me - t - 1) % n]), k._spec.mesh, i, n, me))
         if pending is not None:
             kb, vb = _arrived(pending)
+            received += [kb, vb]
         dk, dv = grads
-    return dk, dv
+    return C.consumed(dk, *received), dv  # (compiled: blocks a rank with no row never reads)
 
 
 def _to_heads(usp, *ts):
