@@ -350,7 +350,9 @@ def _reduce_exchange(x: torch.Tensor, spec: DTensorSpec, step: GroupStep, coord)
             k = k * n + c[i]
         return k
 
-    terms = x.new_zeros((math.prod(red_shape), *ep.dst_shape))
+    # every slot is written whole: the keeps and the receives cover each term of the target once
+    # (exchange_plan checks the count), so no zero fill
+    terms = x.new_empty((math.prod(red_shape), *ep.dst_shape))
     mine = terms[term(coord)]
     for t in ep.keeps:
         region(mine, t.dst_slices).copy_(region(x, t.src_slices))
