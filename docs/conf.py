@@ -60,3 +60,24 @@ html_theme_options = {
 }
 pygments_style = "friendly"
 pygments_dark_style = "monokai"
+
+
+_SETTING_DOCS: dict[str, list[str]] = {}
+
+
+def _keep_setting_doc(app, what, name, obj, options, lines):
+    """napoleon reads the first line of an attribute's doc as ``type: description``; the settings'
+    comments often start with ``Something (where): what it does``, which is no type. Keep each
+    setting's text before napoleon runs (priority 100) and put it back after (priority 900)."""
+    if what == "attribute" and name.startswith("dtshard.config."):
+        _SETTING_DOCS[name] = list(lines)
+
+
+def _restore_setting_doc(app, what, name, obj, options, lines):
+    if what == "attribute" and name in _SETTING_DOCS:
+        lines[:] = _SETTING_DOCS.pop(name)
+
+
+def setup(app):
+    app.connect("autodoc-process-docstring", _keep_setting_doc, priority=100)
+    app.connect("autodoc-process-docstring", _restore_setting_doc, priority=900)
