@@ -329,6 +329,8 @@ def cell_transition(lib: str, w: int, mesh_kind: str, shape_name: str, tname: st
         if time.monotonic() - t_hits > budget_s / 4:
             break
     peak = _rss_kib("VmHWM") if hwm_ok else _rss_kib()
+    rss_after = max(0, _rss_kib() - rss0) / 1024
+    cache_kib = _cache_kib(lambda: dt.redistribute(mesh, dst), clear)
     res = {
         "first_s": first,
         "miss_s": statistics.median(misses) if misses else first,
@@ -340,13 +342,47 @@ def cell_transition(lib: str, w: int, mesh_kind: str, shape_name: str, tname: st
         "pgs_mesh": pg_mesh,
         "pgs_redist": _n_pgs() - pg0 - pg_mesh,
         "rss_peak_mib": max(0, peak - rss0) / 1024,
-        "rss_after_mib": max(0, _rss_kib() - rss0) / 1024,
+        "rss_after_mib": rss_after,
+        "cache_kib": cache_kib,
         "a2a_fixes": A2A_FIXES[0],
         "a2a_fixes_first": a2a_first,
         "calls": 1 + len(misses) + len(hits),
         "local_shape": local_shape,
     }
     return res
+
+
+def _cache_kib(call, clear) -> float:
+    """What the library's caches keep of one transition: after clearing every planner cache, one
+    miss and two hits with the result dropped, the Python heap retained (tracemalloc: plans,
+    specs) plus the storage of every tensor that is alive now and was not before (index tables).
+    RSS also counts the allocator's retention of freed tensor buffers (glibc keeps a freed 4 MiB
+    block in its heap for the next one), which this leaves out.  Measured after the timed calls
+    (tracemalloc slows every allocation)."""
+    import tracemalloc
+
+    def tensors():
+        return {id(o): o for o in gc.get_objects() if isinstance(o, torch.Tensor)}
+
+    clear()
+    gc.collect()
+    before = set(tensors())
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        for _ in range(3):
+            out = call()
+            del out
+        gc.collect()
+        heap = max(0, tracemalloc.get_traced_memory()[0] - base)
+    finally:
+        tracemalloc.stop()
+    storages = {}
+    for k, t in tensors().items():
+        if k not in before and t.device.type != "meta":
+            st = t.untyped_storage()
+            storages[st.data_ptr()] = st.nbytes()
+    return (heap + sum(storages.values())) / 1024
 
 
 def cell_model(lib: str, w: int, rank: int, budget_s: float) -> dict:
@@ -603,6 +639,10 @@ def _rss(r):
     return f"{r['rss_peak_mib']:.1f}"
 
 
+def _cache(r):
+    return f"{r['cache_kib']:.0f}" if "cache_kib" in r else "-"
+
+
 def _a2a(r):
     return str(r.get("a2a_fixes_first", r["a2a_fixes"]))
 
@@ -610,15 +650,15 @@ def _a2a(r):
 def transition_table(rows: list[dict]) -> str:
     out = ["| W | mesh | shape | transition | torch miss ms | dtshard miss ms | miss d/t | torch hit ms | "
            "dtshard hit ms | hit d/t | PGs torch / dtshard (mesh+redist) | RSS MiB torch / dtshard | "
-           "a2a fixes per call torch / dtshard |",
-           "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---|---|---|"]
+           "cache KiB torch / dtshard | a2a fixes per call torch / dtshard |",
+           "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---|---|---|---|"]
     for row in rows:
         t, d = row.get("torch"), row.get("dtshard")
         out.append(
             f"| {row['w']} | {row['mesh']} | {row['shape']} | {row['transition']} | {_t(t, 'miss_s')} | "
             f"{_t(d, 'miss_s')} | {_ratio(t, d, 'miss_s')} | {_t(t, 'hit_s')} | {_t(d, 'hit_s')} | "
             f"{_ratio(t, d, 'hit_s')} | {_pair(t, d, _pgs)} | "
-            f"{_pair(t, d, _rss)} | {_pair(t, d, _a2a)} |")
+            f"{_pair(t, d, _rss)} | {_pair(t, d, _cache)} | {_pair(t, d, _a2a)} |")
     return "\n".join(out)
 
 
