@@ -269,3 +269,16 @@ def test_the_api_reference_lists_every_public_name():
     for module in ("dtshard", "dtshard.parallel", "dtshard.fsdp", "dtshard.debug", "dtshard.experimental",
                    "dtshard.checkpoint", "dtshard.spatial", "dtshard.registry", "dtshard.handlers"):
         assert module in pages, f"no API page for {module}"
+
+
+def test_readme_and_contributing_links_resolve():
+    """The README and CONTRIBUTING.md are read on the repository's page, outside the Sphinx build
+    (which checks the docs' own links): their relative links must name files that exist."""
+    for name in ("README.md", "CONTRIBUTING.md"):
+        text = (ROOT / name).read_text()
+        links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+        assert links, name
+        for link in links:
+            if "://" in link:
+                continue
+            assert (ROOT / link).exists(), f"{name}: the link ({link}) names no file"
