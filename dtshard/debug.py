@@ -117,6 +117,7 @@ class CommCounter:
         return "\n".join(f"{mod}: {kind} x{n}, {b} bytes" for (mod, kind), (n, b) in agg.items())
 
     def count(self, kind: str | None = None) -> int:
+        """Number of collectives recorded (of ``kind``, e.g. ``\"all_gather\"``, or all of them)."""
         return sum(1 for r in self.records if kind is None or r.kind == kind)
 
     def bytes(self, kind: str | None = None, mesh_dim: int | None = None) -> int:
@@ -304,6 +305,7 @@ class CopyCounter:
         return False
 
     def count(self, kind: str | None = None) -> int:
+        """Number of copy passes recorded (of ``kind``: ``\"pack\"``, ``\"unpack\"``, ``\"slice\"``, or all of them)."""
         return sum(1 for k, _ in self.passes if kind is None or k == kind)
 
 
