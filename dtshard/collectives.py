@@ -50,6 +50,14 @@ _fc = torch.ops._c10d_functional
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
                "product": dist.ReduceOp.PRODUCT}
 
+#: backend name -> the reduce ops its reduce_scatter lacks while its all_reduce has them: PyTorch's
+#: threaded process group (ranks as threads of one process, what PyTorch's own DTensor and FSDP2
+#: tests run on) reduce-scatters with SUM and AVG only ("ReduceScatter does not support
+#: ReduceOp.MAX").  There a reduce_scatter with another op runs as an all_reduce of which each rank
+#: keeps its block (:func:`_lacks_reduce_scatter`).  gloo (torch 2.13) and NCCL have all four;
+#: ``tests/dropin/test_issue54_dtensor.py`` runs the fallback on gloo by listing gloo here.
+REDUCE_SCATTER_LACKS: dict[str, frozenset] = {"threaded": frozenset({"max", "min", "product"})}
+
 from dtshard import _trace
 from dtshard._trace import comm_observers as _observers
 from dtshard.layout import group_coords
@@ -161,6 +169,98 @@ def _eager_group(mesh: DeviceMesh, mesh_dim: int, x: torch.Tensor):
             or _in_flight[0]:
         return None  # complex: the functional ops move them as real views (gloo has no complex)
     return _group_object(mesh, mesh_dim)
+
+
+def _backend_name(pg) -> str:
+    try:
+        return dist.get_backend(pg)
+    except Exception:  # noqa: BLE001 - a group torch does not know the backend of
+        name = getattr(pg, "getBackendName", None) or getattr(pg, "name", None)
+        try:
+            return str(name()) if name is not None else ""
+        except Exception:  # noqa: BLE001
+            return ""
+
+
+_backends: dict[tuple, tuple] = {}
+
+
+@hooks.constant_result  # asked while torch.compile traces a reduce_scatter (a backend, not a tensor)
+def _lacks_reduce_scatter(mesh: DeviceMesh, mesh_dim, op) -> bool:
+    """Does the backend of this mesh dim's group lack a reduce_scatter with ``op`` (a name)
+    (:data:`REDUCE_SCATTER_LACKS`)?  The backend is cached per mesh object; the table is read on
+    every call (a test may change it)."""
+    if not REDUCE_SCATTER_LACKS or not isinstance(op, str):
+        return False
+    key = (id(mesh), mesh_dim)
+    hit = _backends.get(key)
+    if hit is None or hit[0]() is not mesh:
+        backend = _cache_put(_backends, key, mesh, _backend_name(_group_object(mesh, mesh_dim)))
+    else:
+        backend = hit[1]
+    lacks = REDUCE_SCATTER_LACKS.get(backend)
+    return lacks is not None and op in lacks
+
+
+def _lacks_reduce_scatter_pg(pg, op) -> bool:
+    """:func:`_lacks_reduce_scatter` for a process group object."""
+    if not REDUCE_SCATTER_LACKS or not isinstance(op, str):
+        return False
+    lacks = REDUCE_SCATTER_LACKS.get(_backend_name(pg))
+    return lacks is not None and op in lacks
+
+
+_orders: dict[tuple, tuple] = {}
+
+
+@hooks.constant_result  # asked while torch.compile traces a collective (the rank table does not trace)
+def _member_order(mesh: DeviceMesh, mesh_dim) -> tuple[int, ...] | None:
+    """Where each member of the group of ``mesh_dim`` (one mesh dim, or a tuple of them
+    flattened) sits in its process group: ``order[i]`` is the group rank of the member dtshard
+    numbers ``i`` (:func:`group_rank`: its coordinate along the dim, row-major over flattened
+    dims).  None when the two agree, as they do whenever the ranks ascend along the group (process
+    groups number their members by ascending rank; every ``init_device_mesh`` mesh).  A
+    ``DeviceMesh`` built from a rank table that descends along a dim, or whose flattened dims do
+    not ascend together (the transposed table ``[[0, 2], [1, 3]]``, flattened), differs: the
+    collectives below then put the blocks where dtshard's layout says (PyTorch's DTensor gets
+    such meshes wrong along a descending dim).  Reads only the group's own ranks (linear in the
+    group); cached per mesh object."""
+    key = (id(mesh), mesh_dim)
+    hit = _orders.get(key)
+    if hit is not None and hit[0]() is mesh:
+        return hit[1]
+    dims = tuple(sorted(mesh_dim)) if isinstance(mesh_dim, tuple) else (mesh_dim,)
+    coord = mesh_coordinate(mesh)
+    table = rank_table(mesh, tuple(slice(None) if d in dims else coord[d] for d in range(mesh.ndim)))
+    ranks, stack = [], [table]
+    while stack:  # the nested lists flattened row-major (the group's order)
+        t = stack.pop()
+        if isinstance(t, list):
+            stack.extend(reversed(t))
+        else:
+            ranks.append(int(t))
+    order = None
+    if any(a > b for a, b in zip(ranks, ranks[1:])):
+        pg = _group_object(mesh, mesh_dim)
+        order = tuple(dist.get_group_rank(pg, r) for r in ranks)
+        if order == tuple(range(len(ranks))):
+            order = None
+    return _cache_put(_orders, key, mesh, order)
+
+
+def _blocks_from_group_order(t: torch.Tensor, order) -> torch.Tensor:
+    """``t``'s ``n`` equal dim-0 blocks, in group-rank order, put in member order."""
+    n = len(order)
+    idx = torch.tensor(order, device=t.device)
+    return t.reshape(n, -1).index_select(0, idx).reshape(t.shape)
+
+
+def _blocks_to_group_order(t: torch.Tensor, order) -> torch.Tensor:
+    """``t``'s ``n`` equal dim-0 blocks, in member order, put in group-rank order."""
+    inv = [0] * len(order)
+    for i, p in enumerate(order):
+        inv[p] = i
+    return _blocks_from_group_order(t, inv)
 
 
 #: set by :func:`in_flight`: the next functional collective's result is returned unwaited
@@ -333,12 +433,14 @@ def all_gather(x: torch.Tensor, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor
     if _observers:
         _notify("all_gather", mesh_dim, (n - 1) * _nbytes(x), n)
     x = x.contiguous()
+    order = _member_order(mesh, mesh_dim)
     pg = _eager_group(mesh, mesh_dim, x)
     if pg is not None:
         out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]) if x.dim() else (n,))
         _pg_all_gather(pg, out, x, False).wait()
-        return out
-    return _wait(_fc.all_gather_into_tensor(x, n, name))
+    else:
+        out = _wait(_fc.all_gather_into_tensor(x, n, name))
+    return out if order is None else _blocks_from_group_order(out, order)
 
 
 def can_overlap(x: torch.Tensor) -> bool:
@@ -353,11 +455,20 @@ def can_overlap(x: torch.Tensor) -> bool:
 
 
 def reduce_scatter(x: torch.Tensor, op: str, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
-    """Reduce ``x`` (shape ``(n*b, ...)``) over the group; rank ``i`` gets block ``i``."""
+    """Reduce ``x`` (shape ``(n*b, ...)``) over the group; rank ``i`` gets block ``i``.  On a
+    backend whose reduce_scatter lacks ``op`` (:data:`REDUCE_SCATTER_LACKS`): an all_reduce (as
+    such reported to the observers), of which this rank keeps its block."""
     name, n = _group(mesh, mesh_dim)
+    if _lacks_reduce_scatter(mesh, mesh_dim, op):
+        full = all_reduce(x, op, mesh, mesh_dim)
+        b = x.shape[0] // n
+        return full.narrow(0, group_rank(mesh, mesh_dim) * b, b).clone(memory_format=torch.contiguous_format)
     if _observers:
         _notify("reduce_scatter", mesh_dim, (n - 1) * _nbytes(x) // n, n)
     x = x.contiguous()
+    order = _member_order(mesh, mesh_dim)
+    if order is not None:
+        x = _blocks_to_group_order(x, order)
     pg = _eager_group(mesh, mesh_dim, x) if op in _REDUCE_OPS else None
     if pg is not None:
         out = x.new_empty((x.shape[0] // n,) + tuple(x.shape[1:]))
@@ -404,6 +515,21 @@ def all_to_all(
         out = all_to_all(torch.view_as_real(x), output_split_sizes, input_split_sizes, mesh, mesh_dim) \
             if not _observers else _quiet_all_to_all(x, output_split_sizes, input_split_sizes, mesh, mesh_dim)
         return torch.view_as_complex(out)
+    order = _member_order(mesh, mesh_dim)
+    if order is not None:  # send and receive in group-rank order, return in member order
+        inv = [0] * n
+        for i, p in enumerate(order):
+            inv[p] = i
+        pieces = x.split(list(input_split_sizes))
+        x = torch.cat([pieces[inv[p]] for p in range(n)])
+        input_split_sizes = [input_split_sizes[inv[p]] for p in range(n)]
+        got_sizes = [output_split_sizes[inv[p]] for p in range(n)]
+        got = _a2a_call(x, got_sizes, input_split_sizes, mesh, mesh_dim, name).split(got_sizes)
+        return torch.cat([got[order[i]] for i in range(n)])
+    return _a2a_call(x, output_split_sizes, input_split_sizes, mesh, mesh_dim, name)
+
+
+def _a2a_call(x, output_split_sizes, input_split_sizes, mesh, mesh_dim, name) -> torch.Tensor:
     pg = _eager_group(mesh, mesh_dim, x)
     if pg is not None:
         out = x.new_empty((sum(output_split_sizes),) + tuple(x.shape[1:]))
@@ -423,6 +549,16 @@ def _quiet_all_to_all(x, output_split_sizes, input_split_sizes, mesh, mesh_dim) 
         _observers.extend(saved)
 
 
+def _quiet_all_to_all_real(x, output_split_sizes, input_split_sizes, mesh, mesh_dim) -> torch.Tensor:
+    """:func:`all_to_all` not reported to the observers (a piece of a transfer its caller reports)."""
+    saved = list(_observers)
+    _observers.clear()
+    try:
+        return all_to_all(x, output_split_sizes, input_split_sizes, mesh, mesh_dim)
+    finally:
+        _observers.extend(saved)
+
+
 def broadcast(x: torch.Tensor, src_index: int, mesh: DeviceMesh, mesh_dim: int) -> torch.Tensor:
     """Every rank gets the ``x`` of the rank at index ``src_index`` along ``mesh_dim``."""
     name, n = _group(mesh, mesh_dim)
@@ -432,7 +568,9 @@ def broadcast(x: torch.Tensor, src_index: int, mesh: DeviceMesh, mesh_dim: int) 
         else:  # the source moves no bytes in the accounting, but takes part in the call
             for observer in _trace.source_observers:
                 observer("broadcast", mesh_dim, n)
-    return _fc.wait_tensor(_fc.broadcast(x.contiguous(), src_index, name))
+    order = _member_order(mesh, mesh_dim)
+    src = src_index if order is None else order[src_index]  # the source's group rank
+    return _fc.wait_tensor(_fc.broadcast(x.contiguous(), src, name))
 
 
 def all_gather_object(obj, mesh: DeviceMesh, mesh_dim: int) -> list:
@@ -534,6 +672,13 @@ def _pg_reduce_scatter(pg, out: torch.Tensor, x: torch.Tensor, op: str, async_op
     while the call is issued (in the caller's thread) and reduces that copy asynchronously: the
     input is not read after the call returns (``tests/distributed/test_collective_staging.py``
     checks it, so a PyTorch upgrade that changes it fails there first)."""
+    if _lacks_reduce_scatter_pg(pg, op):  # an all_reduce of which this rank keeps its block
+        full = x.reshape(-1).clone()
+        ar = dist.AllreduceOptions()
+        ar.reduceOp = _REDUCE_OPS[op]
+        pg.allreduce([full], ar).wait()
+        out.view(-1).copy_(full.view(pg.size(), -1)[pg.rank()])
+        return _Done()
     opts = dist.ReduceScatterOptions()
     opts.reduceOp = _REDUCE_OPS[op] if isinstance(op, str) else op  # a name, or a ReduceOp
     if hasattr(pg, "reduce_scatter_single"):
@@ -631,6 +776,14 @@ def all_gather_into(out: torch.Tensor, x: torch.Tensor, mesh: DeviceMesh, mesh_d
             f"inputs of {x.numel()} {x.dtype} elements (mesh dim {mesh_dim} of mesh {tuple(mesh.shape)})")
     if _observers:
         _notify("all_gather", mesh_dim, (n - 1) * _nbytes(x), n)
+    order = _member_order(mesh, mesh_dim)
+    if order is not None:  # waited here, then the blocks put in member order
+        if comm is not None:
+            _run_comm(comm, False, output_tensor=out, input_tensor=x, group=pg)
+        else:
+            _pg_all_gather(pg, out, x, False).wait()
+        out.copy_(_blocks_from_group_order(out, order))
+        return _Done() if async_op else None
     if comm is not None:
         return _run_comm(comm, async_op, output_tensor=out, input_tensor=x, group=pg)
     return _finish(_pg_all_gather(pg, out, x, async_op), async_op)
@@ -657,7 +810,14 @@ def reduce_scatter_into(out: torch.Tensor, x: torch.Tensor, op: str, mesh: Devic
             f"reduce_scatter_into: input of {x.numel()} {x.dtype} elements does not split into {n} "
             f"outputs of {out.numel()} {out.dtype} elements (mesh dim {mesh_dim} of mesh {tuple(mesh.shape)})")
     if _observers:
-        _notify("reduce_scatter", mesh_dim, (n - 1) * _nbytes(x) // n, n)
+        if comm is None and _lacks_reduce_scatter(mesh, mesh_dim, op):  # runs as an all_reduce
+            _notify("all_reduce", mesh_dim, 2 * (n - 1) * _nbytes(x) // n, n)
+        else:
+            _notify("reduce_scatter", mesh_dim, (n - 1) * _nbytes(x) // n, n)
+    order = _member_order(mesh, mesh_dim)
+    if order is not None:  # the input's blocks in group-rank order (a copy, the caller's to drop)
+        x = _blocks_to_group_order(x, order)
+        consume_input = False
     if comm is not None:  # a user's ReduceScatter object (set_custom_reduce_scatter)
         return _run_comm(comm, async_op, output_tensor=out, input_tensor=x, group=pg, op=_REDUCE_OPS[op])
     work = _pg_reduce_scatter(pg, out, x, op, async_op)
@@ -769,7 +929,13 @@ def start_all_gather(out: torch.Tensor, x: torch.Tensor, mesh: DeviceMesh, mesh_
     _piece_check("start_all_gather", out.is_contiguous() and out.numel() == n * x.numel() and out.dtype == x.dtype,
                  f"output {tuple(out.shape)} {out.dtype} cannot hold {n} pieces {tuple(x.shape)} {x.dtype}",
                  mesh, mesh_dim)
-    return _pg_all_gather(_group_object(mesh, mesh_dim), out.view(-1), x.contiguous().view(-1), True)
+    order = _member_order(mesh, mesh_dim)
+    work = _pg_all_gather(_group_object(mesh, mesh_dim), out.view(-1), x.contiguous().view(-1), order is None)
+    if order is None:
+        return work
+    work.wait()  # then the blocks in member order
+    out.copy_(_blocks_from_group_order(out, order))
+    return _Done()
 
 
 def start_reduce_scatter(out: torch.Tensor, x: torch.Tensor, op: str, mesh: DeviceMesh, mesh_dim: int):
@@ -783,7 +949,9 @@ def start_reduce_scatter(out: torch.Tensor, x: torch.Tensor, op: str, mesh: Devi
                  out.is_contiguous() and x.numel() == n * out.numel() and out.dtype == x.dtype,
                  f"input {tuple(x.shape)} {x.dtype} does not split into {n} outputs {tuple(out.shape)} {out.dtype}",
                  mesh, mesh_dim)
-    return _pg_reduce_scatter(_group_object(mesh, mesh_dim), out.view(-1), x.contiguous().view(-1), op, True)
+    order = _member_order(mesh, mesh_dim)
+    x = x.contiguous().view(-1) if order is None else _blocks_to_group_order(x.contiguous().view(-1), order)
+    return _pg_reduce_scatter(_group_object(mesh, mesh_dim), out.view(-1), x, op, True)
 
 
 def start_all_to_all(out: torch.Tensor, x: torch.Tensor, output_split_sizes: Sequence[int],
@@ -797,6 +965,10 @@ def start_all_to_all(out: torch.Tensor, x: torch.Tensor, output_split_sizes: Seq
                  and x.numel() == sum(input_split_sizes) and out.numel() == sum(output_split_sizes),
                  f"1-D buffers of {x.numel()} and {out.numel()} elements do not match splits "
                  f"{list(input_split_sizes)} -> {list(output_split_sizes)}", mesh, mesh_dim)
+    if _member_order(mesh, mesh_dim) is not None:  # waited here, in member order
+        out.copy_(all_to_all(x, output_split_sizes, input_split_sizes, mesh, mesh_dim)
+                  if not _observers else _quiet_all_to_all_real(x, output_split_sizes, input_split_sizes, mesh, mesh_dim))
+        return _Done()
     return _group_object(mesh, mesh_dim).alltoall_base(out, x.contiguous(), list(output_split_sizes),
                                                        list(input_split_sizes), dist.AllToAllOptions())
 

@@ -32,6 +32,9 @@ aten = torch.ops.aten
 #: (packet, overload names) of the functional overloads to cover
 COMPOSITES = {
     "linalg_matrix_rank": ("default", "tol_tensor", "atol_rtol_tensor", "atol_rtol_float"),
+    # a matrix norm of an empty matrix (OpInfo linalg.norm "subgradients_at_zero": (0, 0) with
+    # ord inf, (5, 0) with ord 1, (0, 5) with ord 2) is ``at::zeros`` of the result's shape
+    "linalg_matrix_norm": ("default", "str_ord"),
 }
 
 #: (packet, overload) -> positions of the arguments whose values the decomposition reads

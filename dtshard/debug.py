@@ -232,18 +232,18 @@ def __getattr__(name: str):
 
 
 def _make_comm_debug_mode():
-    """``dtshard.debug.CommDebugMode``: PyTorch's ``CommDebugMode`` that also sees dtshard.
+    """``dtshard.debug.CommDebugMode``: PyTorch's ``CommDebugMode`` that also records dtshard's
+    DTensor parameters in ``get_sharding_info``.
 
-    Why PyTorch's own does not: it is a ``TorchDispatchMode``, and modes run before tensor
-    subclasses.  For ITS DTensor it records the op and returns ``NotImplemented``, so that
-    DTensor's ``__torch_dispatch__`` runs with the mode still active and the collectives it issues
-    on plain tensors reach the mode and are counted.  Any other subclass (dtshard's DTensor) it
-    runs itself, with the mode switched off for the call, so nothing dtshard does inside (whatever
-    the collective path) reaches it, and its parameter tracker only records PyTorch's DTensor
-    parameters.  This subclass treats dtshard's DTensor exactly like PyTorch's: dtshard then
-    dispatches under the mode, so its collectives take the functional path
-    (``torch.ops._c10d_functional``, see collectives._eager_group) and are counted under the same
-    keys.  Nothing is patched in PyTorch; the eager path outside this mode is unchanged."""
+    PyTorch's mode is a ``TorchDispatchMode``, and modes run before tensor subclasses.  For ITS
+    DTensor (``t == DTensor``) it records the op and returns ``NotImplemented``, so that the
+    DTensor dispatches with the mode still active and the collectives it issues reach the mode.
+    dtshard's DTensor class compares equal to PyTorch's (``tensor._DTensorType``), so PyTorch's own
+    mode already counts every collective dtshard issues inside an op (issue #54 item 12); its
+    parameter tracker still records only PyTorch's DTensor parameters (``isinstance``), which this
+    subclass adds.  Under either mode dtshard's collectives take the functional path
+    (``torch.ops._c10d_functional``, see collectives._eager_group) or the c10d ops the mode also
+    counts.  Nothing is patched in PyTorch; the eager path outside the modes is unchanged."""
     import torch
     from torch.distributed.tensor.debug import CommDebugMode as _TorchCommDebugMode
     from torch.distributed.tensor.debug._comm_mode import _CommModeModuleTracker

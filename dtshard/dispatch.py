@@ -20,7 +20,7 @@ from dtshard.collectives import is_member as _member  # is this rank in the mesh
 from dtshard.collectives import sub_mesh_dims
 from dtshard.propagate import MeshMismatchError, Plan, _run_meta, _Slot, lookup, propagate
 from dtshard.redistribute import redistribute_local
-from dtshard.spec import DTensorSpec, contiguous_strides, placements_str
+from dtshard.spec import DTensorSpec, contiguous_strides, placements_str, same_mesh
 
 __all__ = ["torch_dispatch", "dispatch", "dispatch_planned", "rules_path", "clear_cache", "cache_info", "mixed_error", "MixedTensorError",
            "unwrap_call", "local_args", "cached_plan", "redistribute_input"]
@@ -757,7 +757,7 @@ def _lift_sub_meshes(args: tuple, kwargs: dict, specs) -> tuple[tuple, dict] | N
     big = max((s.mesh for s in specs), key=lambda m: m.ndim)
     dims_of: dict = {}
     for s in specs:
-        if s.mesh is not big and id(s.mesh) not in dims_of:
+        if not same_mesh(s.mesh, big) and id(s.mesh) not in dims_of:
             dims = sub_mesh_dims(big, s.mesh)
             if dims is None:
                 return None
@@ -765,7 +765,7 @@ def _lift_sub_meshes(args: tuple, kwargs: dict, specs) -> tuple[tuple, dict] | N
     R = Replicate()
 
     def lift(a):
-        if not isinstance(a, _DT) or a._spec.mesh is big:
+        if not isinstance(a, _DT) or same_mesh(a._spec.mesh, big):
             return a
         s, dims = a._spec, dims_of[id(a._spec.mesh)]
         placements = [R] * big.ndim

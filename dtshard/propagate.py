@@ -35,7 +35,7 @@ from dtshard.collectives import mesh_coordinate  # coordinate of this rank (cach
 from dtshard.registry import OpCall, RuleEntry, get_entry, op_facts
 from dtshard.spec import (ENUMERATION_LIMIT, DTensorSpec, TensorMeta, chunk_classes, chunk_range, contiguous_strides,
                           is_shard, is_strided, dim_patterns, dim_region, dim_steps, local_region, local_shape, local_shape_and_offset,
-                          local_shape_classes, mesh_identity, placement_key,
+                          local_shape_classes, mesh_str, placement_key, same_mesh,
                           placements_equal, placements_str, split_factor)
 
 __all__ = ["Plan", "propagate", "NoRuleError", "RuleError", "config", "planner_accepts", "strategy_choices",
@@ -334,10 +334,11 @@ def propagate(op, args, kwargs, specs: Sequence[DTensorSpec], meta_args, meta_kw
     mesh = specs[0].mesh
     mesh_shape = specs[0].mesh_shape
     for s in specs[1:]:
-        if s.mesh is not mesh and mesh_identity(s.mesh) != mesh_identity(mesh):
+        if not same_mesh(s.mesh, mesh):
             raise MeshMismatchError(
                 f"{_error_context(op, specs)}: DTensor inputs live on different meshes "
-                f"({tuple(mesh.shape)} {mesh.mesh_dim_names} vs {tuple(s.mesh.shape)} {s.mesh.mesh_dim_names}); "
+                f"({mesh_str(mesh)} vs {mesh_str(s.mesh)}; meshes are one when they hold the same ranks in "
+                "the same layout with the same dim names and device type); "
                 "redistribute them onto one mesh first, or, for a sub-mesh's DTensor that holds the same "
                 "values on every rank outside its mesh (a tensor-parallel parameter beside activations on "
                 "the whole mesh), run the op inside dtshard.experimental.implicit_replication()."

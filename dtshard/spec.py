@@ -14,6 +14,7 @@ dim 1 then splits each of those chunks, and so on.
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Sequence
@@ -790,35 +791,105 @@ class DTensorSpec:
 _ITEMSIZE: dict[torch.dtype, int] = {}
 
 
-def mesh_identity(mesh) -> tuple:
-    """What makes two mesh objects the same mesh: layout AND process groups.
+def mesh_key(mesh) -> int:
+    """``mesh``'s class under PyTorch's ``DeviceMesh.__eq__`` as a small int: two meshes get the
+    same key exactly when they hold the same ranks in the same layout, with the same dim names, the
+    same device type (and, as in PyTorch, were made on the same thread), whatever process groups
+    each owns (two ``init_device_mesh`` calls with one layout, FSDP's default mesh made twice).
+    Every check whether two DTensors share a mesh asks this (:func:`same_mesh`).  An object that is
+    not a ``DeviceMesh`` (a test's stand-in) is its own class.  Cached per object."""
+    hit = _mesh_keys.get(id(mesh))
+    if hit is not None and hit[0]() is mesh:
+        return hit[1]
+    real = _real_mesh(mesh)
+    if real is not mesh:
+        key = mesh_key(real)
+        _cache_per_mesh(_mesh_keys, mesh, key)
+        return key
+    hash_key = getattr(mesh, "_hash_key", None)
+    try:
+        eq = hash_key() if hash_key is not None else None
+        key = _mesh_classes.get(eq) if eq is not None else -1 - id(mesh)  # no class: the object itself
+    except TypeError:  # an unhashable layout (a stand-in mesh): the object itself
+        eq, key = None, -1 - id(mesh)
+    if key is None:
+        with _mesh_classes_lock:  # ranks run as threads in PyTorch's tests: one int per class
+            key = _mesh_classes.setdefault(eq, len(_mesh_classes))
+    _cache_per_mesh(_mesh_keys, mesh, key)
+    return key
 
-    Two ``init_device_mesh`` calls with one layout compare equal in PyTorch but own different
-    process groups; a deepcopy (compile guards make them) keeps the groups.  Cached per object.
-    """
+
+def _real_mesh(mesh):
+    """The mesh behind the opaque stand-in torch.compile traces with (a ``FakeScriptObject``, whose
+    members other than the registered ones raise), else ``mesh`` itself."""
+    if type(mesh).__name__ == "FakeScriptObject":
+        real = object.__getattribute__(mesh, "real_obj")
+        if real is not None:
+            return real
+    return mesh
+
+
+def same_mesh(a, b) -> bool:
+    """Are ``a`` and ``b`` one mesh for an op's inputs, a gradient and its leaf, a redistribute?
+    PyTorch's answer (``a == b``): same ranks in the same layout, dim names and device type."""
+    return a is b or mesh_key(a) == mesh_key(b)
+
+
+def mesh_str(mesh) -> str:
+    """``mesh`` for an error message: shape, dim names, device type and its ranks (the first 16 of
+    a large mesh), everything ``same_mesh`` compares."""
+    try:
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():  # the rank table is a real tensor; a fake mode may be on
+            ranks = mesh.mesh.flatten()[:17].tolist()
+        ranks_s = ", ".join(map(str, ranks[:16])) + (", ..." if len(ranks) > 16 else "")
+    except Exception:  # noqa: BLE001 - a stand-in mesh without a rank table
+        ranks_s = "?"
+    return (f"{tuple(mesh.shape)} {getattr(mesh, 'mesh_dim_names', None)} on "
+            f"{getattr(mesh, 'device_type', '?')} ranks [{ranks_s}]")
+
+
+def mesh_identity(mesh) -> tuple:
+    """What makes two mesh objects interchangeable inside a cache: the same mesh
+    (:func:`mesh_key`) AND the same process groups.
+
+    Two ``init_device_mesh`` calls with one layout are one mesh (:func:`same_mesh`) but own
+    different process groups; a spec, and so every cached plan, keeps the groups its collectives
+    run on, so specs on them differ (each gets its own plan; an op mixing them is planned on its
+    first input's mesh).  A deepcopy (compile guards make them) keeps the groups.  Cached per
+    object."""
     hit = _mesh_ids.get(id(mesh))
     if hit is not None and hit[0]() is mesh:
         return hit[1]
-    try:
-        names = getattr(mesh, "_dim_group_names", None)
-        ident = (hash(mesh), tuple(names) if names is not None else ())
-    except TypeError:
-        ident = (tuple(mesh.shape), id(mesh))
-    key = id(mesh)
-
-    def drop(ref):  # a freed mesh leaves the cache (slicing makes a new mesh object every time)
-        hit = _mesh_ids.get(key)
-        if hit is not None and hit[0] is ref:
-            del _mesh_ids[key]
-
-    try:
-        _mesh_ids[key] = (weakref.ref(mesh, drop), ident)
-    except TypeError:  # not weak-referenceable: do not cache
-        pass
+    names = getattr(_real_mesh(mesh), "_dim_group_names", None)
+    ident = (mesh_key(mesh), tuple(names) if names is not None else ())
+    _cache_per_mesh(_mesh_ids, mesh, ident)
     return ident
 
 
+def _cache_per_mesh(cache: dict, mesh, value) -> None:
+    """``cache[id(mesh)] = (weak reference, value)``; a freed mesh leaves the cache (slicing makes
+    a new mesh object every time).  A mesh that cannot be weakly referenced is not cached."""
+    key = id(mesh)
+
+    def drop(ref):
+        hit = cache.get(key)
+        if hit is not None and hit[0] is ref:
+            del cache[key]
+
+    try:
+        cache[key] = (weakref.ref(mesh, drop), value)
+    except TypeError:
+        pass
+
+
 _mesh_ids: dict[int, tuple] = {}
+_mesh_keys: dict[int, tuple] = {}
+#: PyTorch's equality key of every mesh seen (``DeviceMesh._hash_key()``: rank map, layout, device
+#: type, dim names, thread) -> its small int; one entry per distinct mesh, not per mesh object
+_mesh_classes: dict[tuple, int] = {}
+_mesh_classes_lock = threading.Lock()
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -829,9 +900,25 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 #: The reduce ops of ``Partial`` that dtshard supports: PyTorch's ``Partial.ALL_REDUCE_OPS`` minus
-#: the bitwise ones.  The names are PyTorch's (``"product"``; ``Partial("prod")`` fails in PyTorch
-#: too, when reduced).
+#: the bitwise ones, by their canonical names (PyTorch's).
 REDUCE_OPS = ("sum", "avg", "max", "min", "product")
+
+#: Every spelling of them that PyTorch's ``Partial`` takes -> the canonical name: any case (its
+#: functional collectives read ``"PRODUCT"`` as ``"product"``) and ``"prod"`` (which PyTorch keeps
+#: as a pending placement, as in its ``test_redistribute_to_partial``, but fails to reduce).
+#: dtshard's placements carry the canonical name: ``Partial("prod")`` is reported, compared and
+#: reduced as ``Partial("product")``.
+REDUCE_OP_SPELLINGS = {**{n: n for n in REDUCE_OPS}, **{n.upper(): n for n in REDUCE_OPS},
+                       "prod": "product", "PROD": "product"}
+
+
+def canonical_reduce_op(op: str) -> str | None:
+    """The canonical name of a ``Partial`` reduce op in any spelling PyTorch takes; None for one
+    dtshard does not support (the bitwise ones, names of no reduction)."""
+    hit = REDUCE_OP_SPELLINGS.get(op)
+    if hit is None and isinstance(op, str):
+        hit = REDUCE_OP_SPELLINGS.get(op.lower())
+    return hit
 
 
 def normalize_placements(placements: Sequence[Placement], ndim: int, mesh_ndim: int, *, what: str) -> tuple[Placement, ...]:
@@ -866,11 +953,16 @@ def normalize_placements(placements: Sequence[Placement], ndim: int, mesh_ndim: 
             out.append(Shard(d) if sf == 1 else (p if d == p.dim else _StridedShard(d, split_factor=sf)))
         elif isinstance(p, Partial):
             if p.reduce_op not in REDUCE_OPS:
-                hint = " (PyTorch spells it 'product')" if p.reduce_op == "prod" else ""
-                raise ValueError(
-                    f"{what}: Partial({p.reduce_op!r}) is not supported{hint}; dtshard supports "
-                    "Partial('sum'), Partial('avg'), Partial('max'), Partial('min') and Partial('product')."
-                )
+                op = canonical_reduce_op(p.reduce_op)
+                if op is None:
+                    raise ValueError(
+                        f"{what}: Partial({p.reduce_op!r}) is not supported; dtshard supports Partial('sum'), "
+                        "Partial('avg'), Partial('max'), Partial('min') and Partial('product') (in any case, "
+                        "and 'prod'). Reduce a bitwise partial value with torch.distributed.all_reduce on the "
+                        "local tensors, then wrap it with DTensor.from_local(t, mesh, [Replicate()]).")
+                if type(p) is not Partial:  # a subclass with its own meaning: dtshard cannot rename it
+                    raise ValueError(f"{what}: {p!r} spells its reduce op {p.reduce_op!r}; use {op!r}.")
+                p = Partial(op)
             out.append(p)
         elif isinstance(p, Replicate):
             out.append(p)

@@ -24,7 +24,7 @@ from dtshard import hooks
 from dtshard._config import config
 from dtshard.dispatch import bind_tensor_class, resolved_local, torch_dispatch
 from dtshard.redistribute import redistribute_local
-from dtshard.spec import (DTensorSpec, TensorMeta, contiguous_strides, global_stride_from_local, is_shard, mesh_identity, normalize_placements,
+from dtshard.spec import (DTensorSpec, TensorMeta, contiguous_strides, global_stride_from_local, is_shard, same_mesh, normalize_placements,
                           placements_equal, placements_str)
 
 __all__ = ["DTensor", "mesh_or_current", "op_output", "reject_distributed_input"]
@@ -83,7 +83,7 @@ def _grad_as_dtensor(spec: DTensorSpec, grad: torch.Tensor):
         return None
     if isinstance(grad, DTensor):
         out = grad
-        if grad._spec.mesh is not spec.mesh and mesh_identity(grad._spec.mesh) != mesh_identity(spec.mesh):
+        if not same_mesh(grad._spec.mesh, spec.mesh):
             out = _onto_sub_mesh(grad, spec.mesh, "the gradient of a leaf DTensor")
         accumulates, node = _accumulating_node()
         if accumulates:
@@ -173,7 +173,7 @@ def _reopenable(grad, new) -> bool:
     if gs.has_strided or ns.has_strided or not C.is_member(gs.mesh):
         return False
     if gs.extra is not None or ns.extra is not None or gs.shape != ns.shape or gs.dtype != ns.dtype \
-            or mesh_identity(gs.mesh) != mesh_identity(ns.mesh) or "_dtshard_settles_into" in grad.__dict__:
+            or not same_mesh(gs.mesh, ns.mesh) or "_dtshard_settles_into" in grad.__dict__:
         return False
     g_local, n_local = grad._local_tensor, new._local_tensor
     if type(g_local) is not torch.Tensor or type(n_local) is not torch.Tensor or g_local.shape != n_local.shape \
@@ -309,7 +309,37 @@ def _drop_extra(t: "DTensor") -> "DTensor":
     return hooks.extension_of(t._spec.extra).drop(t)
 
 
-class DTensor(torch.Tensor):
+class _DTensorType(type(torch.Tensor)):
+    """The metaclass of dtshard's :class:`DTensor`: the class compares equal (``==``, never
+    ``is``) to PyTorch's ``torch.distributed.tensor.DTensor``.
+
+    PyTorch's debugging modes (``CommDebugMode``, ``MemTracker``, FSDP2's memory tracker) pick out
+    its DTensor with ``any(t == DTensor for t in types)`` and, for it, return ``NotImplemented`` so
+    that the DTensor dispatches with the mode still on: the collectives it issues then reach the
+    mode.  Any other subclass they run with the mode off, so nothing dtshard issued inside an op (a
+    cumsum's all_to_all, a matmul's all_gather) was counted.  Equal under ``==``, dtshard's DTensor
+    is handled as PyTorch's is; code that tells the classes apart uses ``is``/``isinstance``/
+    ``issubclass``, which this does not touch."""
+
+    def __eq__(cls, other):
+        if cls is other:
+            return True
+        return cls is DTensor and other is _torch_dtensor_class()
+
+    def __ne__(cls, other):
+        return not _DTensorType.__eq__(cls, other)  # (cls.__eq__ is the tensor's elementwise ==)
+
+    __hash__ = type.__hash__
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_dtensor_class():
+    from torch.distributed.tensor import DTensor as TorchDTensor
+
+    return TorchDTensor
+
+
+class DTensor(torch.Tensor, metaclass=_DTensorType):
     """A distributed tensor: ``_local_tensor`` is this rank's shard, ``_spec`` the global layout."""
 
     _local_tensor: torch.Tensor
@@ -368,7 +398,7 @@ class DTensor(torch.Tensor):
                 "(every rank holding the full tensor) or dtshard.DTensor.from_local(t, mesh, placements) (this "
                 "rank's shard), or copy the values in place: `with torch.no_grad(): x.copy_(...)`.")
         spec = new._spec
-        if spec.mesh is not self._spec.mesh and mesh_identity(spec.mesh) != mesh_identity(self._spec.mesh):
+        if not same_mesh(spec.mesh, self._spec.mesh):
             raise ValueError(
                 f"dtshard: `.data = ` on a DTensor on mesh {tuple(self._spec.mesh.shape)} "
                 f"{self._spec.mesh.mesh_dim_names} got one on mesh {tuple(spec.mesh.shape)} {spec.mesh.mesh_dim_names}: "
@@ -467,7 +497,7 @@ class DTensor(torch.Tensor):
             return _drop_extra(self).__coerce_same_metadata_as_tangent__(flatten_spec, expected_type)
         if spec.placements == self._spec.placements and spec.extra == self._spec.extra:
             return self
-        if spec.mesh is not self._spec.mesh and mesh_identity(spec.mesh) != mesh_identity(self._spec.mesh):
+        if not same_mesh(spec.mesh, self._spec.mesh):
             # a gradient computed on the activations' larger mesh for an output on a sub-mesh (a
             # tensor-parallel parameter that FSDP gathered inside the compiled region)
             return _onto_sub_mesh(self, spec.mesh, "the gradient of a compiled region's output") \
@@ -520,6 +550,15 @@ class DTensor(torch.Tensor):
         if placements is None:
             placements = [Replicate()] * device_mesh.ndim
         placements = normalize_placements(placements, local_tensor.dim(), device_mesh.ndim, what="DTensor.from_local")
+        if stride is not None and shape is None:
+            # a global stride without the global shape: the shape would be guessed from even
+            # shards, whatever the stride was meant for (PyTorch raises the same).  shape= alone is
+            # taken (PyTorch raises there): the global layout is then the contiguous one
+            raise RuntimeError(
+                f"DTensor.from_local: got stride={tuple(stride)} without shape= for a local tensor of shape "
+                f"{tuple(local_tensor.shape)} with placements {placements_str(placements)} on mesh "
+                f"{tuple(device_mesh.shape)}. Please pass both shape and stride at the same time (the global "
+                "tensor's), shape alone, or neither for even shards.")
         if shape is None:
             gshape = list(local_tensor.shape)
             for i, p in enumerate(placements):
@@ -586,7 +625,7 @@ class DTensor(torch.Tensor):
         mesh = self._spec.mesh
         # under torch.compile the mesh argument is an opaque proxy: the tensor's own mesh rules
         if device_mesh is not None and device_mesh is not mesh and not torch.compiler.is_compiling() \
-                and mesh_identity(device_mesh) != mesh_identity(mesh):
+                and not same_mesh(device_mesh, mesh):
             raise ValueError(
                 f"redistribute: moving a DTensor of shape {tuple(self.shape)} to another mesh "
                 f"({tuple(mesh.shape)} -> {tuple(device_mesh.shape)}) is not supported; "
@@ -827,7 +866,7 @@ class _FromLocal(torch.autograd.Function):
         spec = ctx.spec
         if not isinstance(grad, DTensor):  # built by autograd from metadata (zeros): the global value
             grad = _promote_plain(grad, spec.mesh, shape=spec.shape, what="the gradient of DTensor.from_local")
-        elif grad._spec.mesh is not spec.mesh and mesh_identity(grad._spec.mesh) != mesh_identity(spec.mesh):
+        elif not same_mesh(grad._spec.mesh, spec.mesh):
             grad = _onto_sub_mesh(grad, spec.mesh, "the gradient of DTensor.from_local")
         target = ctx.grad_placements or _grad_placements(spec.placements)
         if grad._spec.placements != target:

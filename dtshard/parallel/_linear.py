@@ -40,7 +40,7 @@ from dtshard import collectives as C
 from dtshard import hooks
 from dtshard._config import config
 from dtshard.redistribute import redistribute_local
-from dtshard.spec import DTensorSpec, contiguous_strides, mesh_identity, normalize_placements
+from dtshard.spec import DTensorSpec, contiguous_strides, normalize_placements, same_mesh
 from dtshard.tensor import DTensor, _grad_placements
 
 __all__ = ["TPLinearCall", "LinearPlan"]
@@ -209,12 +209,12 @@ class TPLinearCall:
         """The plan of one layout, or None when the fast path does not apply to it."""
         mesh, style = self.mesh, self.style
         ws = w._spec
-        if ws.extra is not None or ws.mesh is not mesh and mesh_identity(ws.mesh) != mesh_identity(mesh):
+        if ws.extra is not None or not same_mesh(ws.mesh, mesh):
             return None
         if ws.placements != self.w_placements or not C.is_member(mesh):
             return None
         if b is not None and (b._spec.placements != self.b_placements or b._spec.extra is not None
-                              or mesh_identity(b._spec.mesh) != mesh_identity(mesh) or b.dtype != w.dtype):
+                              or not same_mesh(b._spec.mesh, mesh) or b.dtype != w.dtype):
             return None
         if x.dtype != w.dtype or x.dim() < 2 or len(ws.shape) != 2:
             return None
@@ -225,7 +225,7 @@ class TPLinearCall:
             return None
         if type(x) is DTensor:
             xs = x._spec
-            if mesh_identity(xs.mesh) != mesh_identity(mesh) or _plain_layout(xs.placements, nd) is None:
+            if not same_mesh(xs.mesh, mesh) or _plain_layout(xs.placements, nd) is None:
                 return None
             x_spec, x_is_dt = xs, True
         else:

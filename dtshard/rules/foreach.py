@@ -28,7 +28,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate
 from dtshard import handlers as H
 from dtshard.registry import op_facts, register_handler
 from dtshard.tensor import DTensor
-from dtshard.spec import mesh_identity
+from dtshard.spec import mesh_key  # PyTorch's mesh equality: equal meshes are one
 
 aten = torch.ops.aten
 
@@ -165,7 +165,7 @@ def _foreach_norm_handler(op, args, kwargs):
 
         groups: dict = {}
         for k, p in enumerate(parts):
-            groups.setdefault((mesh_identity(p.device_mesh), p.placements, p.dtype), []).append(k)
+            groups.setdefault((mesh_key(p.device_mesh), p.placements, p.dtype), []).append(k)
         out = [None] * len(parts)
         for idx in groups.values():
             stacked = aten.stack.default([parts[k] for k in idx])
@@ -273,7 +273,7 @@ def amp_unscale_handler(op, args, kwargs):
     local_grads = []
     for g in grads:
         if isinstance(g, DTensor):
-            meshes.setdefault(mesh_identity(g.device_mesh), g.device_mesh)
+            meshes.setdefault(mesh_key(g.device_mesh), g.device_mesh)
             local_grads.append(H.to_local(g, g.placements))
         else:
             local_grads.append(g)

@@ -65,7 +65,7 @@ from dtshard.spatial import conv_halo as HC
 from dtshard.spatial import halo_layout as SL
 from dtshard.spatial.halo_layout import halo_partial, halos, with_halo
 from dtshard.registry import register_handler
-from dtshard.spec import DTensorSpec, chunk_range
+from dtshard.spec import DTensorSpec, chunk_range, same_mesh
 from dtshard import dispatch
 
 aten = torch.ops.aten
@@ -466,7 +466,7 @@ def _plan_convolution(op, args, kwargs) -> _ConvPlan:
     output_padding = expand_list(output_padding, nsp)
     gout = meta_run(op, x, w, bias, stride, padding, dilation, transposed, output_padding, groups)
     mesh = x._spec.mesh
-    if w._spec.mesh is not mesh or (bias is not None and bias._spec.mesh is not mesh):
+    if not same_mesh(w._spec.mesh, mesh) or (bias is not None and not same_mesh(bias._spec.mesh, mesh)):
         raise ValueError(f"{op}: input, weight and bias must live on the same mesh")
     modes = conv_modes(x._spec, w._spec, transposed, groups)
     coord = C.mesh_coordinate(mesh)

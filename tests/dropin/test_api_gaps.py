@@ -373,10 +373,10 @@ class _MLP(nn.Module):
 
 
 def _comm_debug_checks():
-    """PyTorch's CommDebugMode counts the collectives its own DTensor issues; code that uses it
-    with dtshard imports ``dtshard.debug.CommDebugMode`` instead (PyTorch's runs ops on any other
-    tensor subclass with itself switched off, so it cannot see collectives issued inside dtshard's
-    dispatch: see dtshard/debug.py).  dtshard.debug.CommCounter answers the same queries."""
+    """PyTorch's CommDebugMode counts the collectives its own DTensor issues; ``dtshard.debug.
+    CommDebugMode`` also records dtshard's parameters' sharding (PyTorch's own mode counts dtshard's
+    collectives too since issue #54 item 12: tests/dropin/test_issue54_dtensor.py; see
+    dtshard/debug.py).  dtshard.debug.CommCounter answers the same queries."""
     import torch.distributed.tensor.parallel as tp_torch
     from torch.distributed.tensor.debug import CommDebugMode as TorchCommDebugMode
 

@@ -45,7 +45,9 @@ def _wrong_number_of_placements():
 
 def _mesh_mismatch():
     a = _dt()
-    other = dtshard.init_device_mesh("cpu", (dist.get_world_size(),))  # new groups: another mesh
+    # another mesh: other dim names (a second init_device_mesh with the same layout and names is
+    # the same mesh, as in PyTorch: issue #54 item 1)
+    other = dtshard.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("other",))
     b = dtshard.distribute_tensor(torch.ones(4, 3), other, [Shard(0)])
     a + b
 
@@ -67,7 +69,7 @@ def _from_local_dtype_disagrees():
 
 
 def _redistribute_illegal_placement():
-    _dt().redistribute(_mesh(), [Partial("prod")])  # PyTorch's name is "product" (supported)
+    _dt().redistribute(_mesh(), [Partial("band")])  # a bitwise partial: dtshard does not reduce those
 
 
 def _redistribute_dim_out_of_range():
@@ -76,7 +78,9 @@ def _redistribute_dim_out_of_range():
 
 def _redistribute_to_other_mesh():
     a = _dt()
-    a.redistribute(dtshard.init_device_mesh("cpu", (dist.get_world_size(),)), [Replicate()])
+    # another mesh: the same ranks under another dim name (an equal mesh, same ranks, layout and
+    # names, is the same mesh, as in PyTorch: issue #54 item 1)
+    a.redistribute(dtshard.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("other",)), [Replicate()])
 
 
 def _op_without_rule():
@@ -161,7 +165,7 @@ CASES = {
     "global shape vs local": (_global_shape_mismatch, ValueError, ["(2, 3)", "(7, 3)", "S(0)", "shape="]),
     "ranks disagree (run_check)": (_from_local_ranks_disagree, ValueError, ["rank 0", "rank 1", "(4, 3)"]),
     "dtype disagrees (run_check)": (_from_local_dtype_disagrees, ValueError, ["torch.float64", "rank 0", "rank 1"]),
-    "illegal target placement": (_redistribute_illegal_placement, ValueError, ["'prod'", "not supported", "'product'"]),
+    "illegal target placement": (_redistribute_illegal_placement, ValueError, ["'band'", "not supported", "'product'"]),
     "target dim out of range": (_redistribute_dim_out_of_range, ValueError, ["Shard(5)", "2-D tensor"]),
     "redistribute to another mesh": (_redistribute_to_other_mesh, ValueError, ["another mesh"]),
     "op without a rule": (_op_without_rule, NotImplementedError, ["aten.unfold_copy.default", "(4, 3) (S(0))", "dtshard/rules/"]),

@@ -56,8 +56,11 @@ def test_placement_validation_messages():
     with pytest.raises(ValueError, match="got 1 placements .* for a 2-D mesh"):
         normalize_placements([Shard(0)], 2, 2, what="distribute_tensor")
     assert normalize_placements([Partial("product")], 2, 1, what="from_local") == (Partial("product"),)
-    with pytest.raises(ValueError, match="Partial\\('prod'\\) is not supported \\(PyTorch spells it 'product'\\)"):
-        normalize_placements([Partial("prod")], 2, 1, what="from_local")
+    # every spelling PyTorch's Partial takes is read as its canonical name (issue #54 item 10)
+    for spelling in ("prod", "PROD", "PRODUCT", "Product"):
+        assert normalize_placements([Partial(spelling)], 2, 1, what="from_local") == (Partial("product"),)
+    for spelling in ("SUM", "Avg", "MAX", "min"):
+        assert normalize_placements([Partial(spelling)], 2, 1, what="from_local") == (Partial(spelling.lower()),)
     with pytest.raises(ValueError, match="Partial\\('band'\\) is not supported"):
         normalize_placements([Partial("band")], 2, 1, what="from_local")
     with pytest.raises(ValueError, match="mix Partial\\('product'\\) with \\['max'\\]"):
