@@ -53,6 +53,13 @@ are ranks (its own spawned process, after the ranks').  Reported:
 
 Times on a shared machine are noisy: compare the columns of one run.
 
+``--choice``: the strategy ``auto`` picks (by the slowest rank's estimated step time) against every
+strategy forced, causal, ``--heads mha,gqa,mqa``: the step's wall time, each rank's process CPU
+time of the step (the most over the ranks is what the slowest rank costs on a core of its own)
+and the (query, key) pairs each rank's kernel calls evaluate.  ``--calibrate``: measures the three
+costs the estimate uses (``dtshard.config.attention_cp_pair_seconds``, ``_byte_seconds``,
+``_collective_seconds``) on this machine.
+
 ``--window W``: the same layer with a causal sliding-window mask instead of ``is_causal`` (row
 ``i`` sees keys ``(i - W, i]``; an additive float ``(S, S)`` mask, the same tensor every step, so
 mask_kv reads it once), where mask_kv applies too.  ``--plan-seqs``: sequence lengths for which
@@ -83,7 +90,7 @@ import torch.nn.functional as F  # noqa: E402
 
 MiB = 2**20
 STRATEGIES = ("ulysses", "allgather_kv", "ring", "mask_kv", "balanced")  # attention_cp.STRATEGIES (checked in worker)
-HEADS = {"gqa": (8, 2), "mha": (8, 8), "mqa": (8, 1)}
+HEADS = {"gqa": (8, 2), "mha": (8, 8), "mqa": (8, 1)}  # (query heads, key/value heads)
 MMAP_THRESHOLD = "65536"
 
 
@@ -322,6 +329,47 @@ def _balance_text(pairs) -> str:
     return f"{max(pairs) / (sum(pairs) / len(pairs)):.2f}"
 
 
+def calibrate_worker(rank, world, args, port, out_path):
+    """``--calibrate``: the three costs ``auto`` estimates with, measured here.  Rank 0 first times
+    the fused CPU kernel alone on one thread (forward + backward, 8 heads of 64, 2K tokens, whole
+    and causal; the least process CPU time of 3): seconds per (query, key) pair, head and element
+    of E + Ev.  Then every rank: gloo all_gathers of 8 bytes (the least wall time of 10: the
+    per-collective latency) and of 4 MiB a rank (per byte received, the latency taken off)."""
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    out = {}
+    if rank == 0:
+        s, h, e = 2048, 8, 64
+        q, k, v, go = (torch.randn(1, h, s, e) for _ in range(4))
+        for t in (q, k, v):
+            t.requires_grad_()
+        for causal in (False, True):
+            best = float("inf")
+            for _ in range(3):
+                c0 = time.process_time()
+                F.scaled_dot_product_attention(q, k, v, is_causal=causal).backward(go)
+                best = min(best, time.process_time() - c0)
+            pairs = s * (s + 1) // 2 if causal else s * s
+            out["pair_causal" if causal else "pair"] = best / (pairs * h * 2 * e)
+    dist.barrier()
+    for nbytes, key in ((8, "latency"), (4 * MiB, "big")):
+        x = torch.zeros(nbytes // 4)
+        bufs = [torch.zeros_like(x) for _ in range(world)]
+        best = float("inf")
+        for _ in range(10):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_gather(bufs, x)
+            best = min(best, time.perf_counter() - t0)
+        out[key] = best
+    if rank == 0:
+        out["byte"] = max(out["big"] - out["latency"], 0.0) / ((world - 1) * 4 * MiB)
+        with open(out_path, "w") as f:
+            json.dump(out, f)
+    dist.destroy_process_group()
+
+
 def one_process(_rank, args, threads, out_path):
     """The same layer on whole tensors in one process with ``threads`` threads: median step time
     (after one warm-up) and, with ``--memory``, the peak of one more step, as the ranks measure."""
@@ -375,7 +423,7 @@ def main():
                          "processes (which the RSS column needs: blocks >= 64 KiB are mmapped and unmapped "
                          "on free, every column alike)")
     ap.add_argument("--heads", default="gqa,mha", type=lambda s: s.split(","),
-                    help="head layouts: gqa (8 query : 2 KV heads), mha (8 : 8)")
+                    help="head layouts: gqa (8 query : 2 KV heads), mha (8 : 8), mqa (8 : 1)")
     ap.add_argument("--strategies", default=",".join(STRATEGIES), type=lambda s: s.split(","),
                     help="the strategies to force (those that apply)")
     ap.add_argument("--window", type=int, default=0, help="sliding-window mask of this many keys (0: is_causal)")
@@ -385,7 +433,18 @@ def main():
                     help="the strategy choice: what auto picks against every strategy forced (causal, "
                          "--heads mha,gqa,mqa), slowest rank's CPU time and per-rank work; no memory step")
     ap.add_argument("--warmup", type=int, default=1, help="--choice: untimed steps first")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="measure dtshard.config.attention_cp_pair/byte/collective_seconds on this machine")
     args = ap.parse_args()
+    if args.calibrate:
+        for world in args.ranks:
+            print(f"load average before: {os.getloadavg()}")
+            c = _spawn(calibrate_worker, world, world, args, free_port())
+            print(f"{world} ranks: attention_cp_pair_seconds = {c['pair']:.3g}  (causal: {c['pair_causal']:.3g} "
+                  f"per pair of the triangle)\n         attention_cp_byte_seconds = {c['byte']:.3g}\n"
+                  f"         attention_cp_collective_seconds = {c['latency']:.3g}  "
+                  f"(load average after: {os.getloadavg()})")
+        return
     if args.choice:
         print(f"load average before: {os.getloadavg()}")
         for world in args.ranks:
