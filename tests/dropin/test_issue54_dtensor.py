@@ -383,3 +383,71 @@ def _debug_norm_from_local_embedding():
 
 def test_comm_debug_mode_linalg_norm_from_local_and_embedding_max_norm():
     assert run_distributed(_debug_norm_from_local_embedding, 4, timeout=300) == [0, 1, 2, 3]
+
+
+# ---------------------------------------------------------------------------------------------
+# Item 11 on the backend it came from: PyTorch's threaded process group (ranks as threads of this
+# process, what PyTorch's own DTensor tests run on), whose reduce_scatter has SUM and AVG only
+# ---------------------------------------------------------------------------------------------
+
+def _threaded_rank(rank, world, store, out):
+    dist.init_process_group("threaded", rank=rank, world_size=world, store=store)
+    try:
+        assert dist.get_backend() == "threaded"
+        mesh = dtshard.init_device_mesh("cpu", (world,))
+        g = torch.Generator().manual_seed(5)
+        for shape in ((4, 6), (5, 3)):  # even (a reduce_scatter) and uneven (an all_to_all) pieces
+            terms = [torch.randn(shape, generator=g) for _ in range(world)]
+            for op, red in (("max", torch.amax), ("min", torch.amin)):
+                want = red(torch.stack(terms), 0)
+                for target in ([Shard(0)], [Shard(1)], [Replicate()]):
+                    for fname, fn in (("relu", torch.relu), ("neg", torch.neg)):
+                        d = dtshard.DTensor.from_local(terms[rank], mesh, [Partial(op)])
+                        with CommCounter() as cc:
+                            y = fn(d).redistribute(mesh, target)
+                        out[rank, op, fname, str(target), shape] = (
+                            (y.full_tensor() - fn(want)).abs().max().item(), cc.kinds())
+                    try:  # PyTorch's DTensor, the same program
+                        t = tdt.DTensor.from_local(terms[rank], mesh, [Partial(op)])
+                        out[rank, op, "torch", str(target), shape] = (
+                            torch.relu(t).redistribute(mesh, target).full_tensor() - torch.relu(want)).abs().max().item()
+                    except NotImplementedError as e:
+                        out[rank, op, "torch", str(target), shape] = str(e)
+    except BaseException as e:  # noqa: BLE001 - reported by the test
+        out[rank, "error"] = repr(e)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_max_min_to_shard_on_pytorchs_threaded_process_group():
+    import threading
+
+    from torch.testing._internal.distributed.multi_threaded_pg import _install_threaded_pg, _uninstall_threaded_pg
+
+    assert not dist.is_initialized()  # the test process itself (ranks of other tests are workers)
+    world, out = 2, {}
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    _install_threaded_pg()
+    try:
+        store = dist.HashStore()
+        threads = [threading.Thread(target=_threaded_rank, args=(r, world, store, out), daemon=True)
+                   for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads), "a rank thread did not finish in 60 s"
+    finally:
+        _uninstall_threaded_pg()
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+    assert not any(k[1] == "error" for k in out), {k: v for k, v in out.items() if k[1] == "error"}
+    for key, value in out.items():
+        if key[2] == "torch":
+            # PyTorch's own DTensor cannot reduce-scatter P(max/min) on this backend
+            assert value == 0.0 if key[3] == str([Replicate()]) else "ReduceScatter does not support" in value, (key, value)
+        else:
+            err, kinds = value
+            assert err == 0.0, (key, value)
+            assert "reduce_scatter" not in kinds, (key, kinds)  # an all_reduce, each rank keeping its block
+    # the even pieces did need the fallback (an all_reduce where gloo would reduce-scatter)
+    assert any("all_reduce" in v[1] for k, v in out.items() if k[2] != "torch" and k[4] == (4, 6)), out
