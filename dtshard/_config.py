@@ -83,13 +83,14 @@ class config:
     #: The most bytes of K and V per rank ``attention_cp = "auto"`` gathers whole; above, it
     #: passes them around the ring.
     attention_cp_gather_bytes: int = 256 * 2**20
-    #: The costs ``auto`` estimates with (benchmarks/README.md "Context parallelism" has the
-    #: measurement, on the project's 2-core CPU with gloo, 4 ranks): seconds per (query, key) pair
+    #: The costs ``auto`` estimates with, measured on the project's 2-core CPU with gloo, 4 ranks
+    #: (``python benchmarks/bench_attention_cp.py --calibrate`` measures them on any machine;
+    #: benchmarks/README.md "Context parallelism" has the numbers): seconds per (query, key) pair
     #: per head and per element of ``E + Ev``, forward + backward, of the fused CPU kernel on one
-    #: thread (0.065 ns: 1K-2K tokens, 8 heads of 64, whole and causal); seconds per byte a rank
-    #: receives (6.6 ns: a 4 MiB all_gather on 4 gloo ranks on 2 cores) and per collective call
-    #: (the latency of an 8-byte all_gather there).  On a GPU with NCCL the pair cost is ~1000x
-    #: smaller and the byte cost ~100x: set the three to your machine's (their ratios decide).
+    #: thread (6.1-6.4e-11 at 1K-2K tokens, 8 heads of 64); seconds per byte a rank receives
+    #: (3.8 ns at best, 6.6 ns on average under load: a 4 MiB all_gather on 4 ranks) and per
+    #: collective call (an 8-byte all_gather: 0.58 ms at best, 7 ms on average under load).  On
+    #: GPUs with NCCL all three are far smaller: set them to your machine's (their ratios decide).
     attention_cp_pair_seconds: float = 6.5e-11
     #: Seconds per byte a rank receives (see ``attention_cp_pair_seconds``).
     attention_cp_byte_seconds: float = 6.6e-9

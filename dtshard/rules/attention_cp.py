@@ -1028,6 +1028,21 @@ def values_readable(t) -> bool:
     return not any(isinstance(m, _TRACING_MODES) for m in _get_current_dispatch_mode_stack())
 
 
+def _explain_two_dims(op, q, k, how, dims) -> None:
+    """``dtshard.debug.explain`` for the sequence on two mesh dims."""
+    n1, h = q._spec.mesh_shape[dims[1]], q.dim() - 3
+    if how == "flat":
+        text = (f"allgather_kv over mesh dims {dims} (the sequence on both; {k.shape[h]} KV heads do not "
+                f"divide the inner dim's {n1} ranks, so a Ulysses step would replicate them: K and V "
+                f"gathered once over both dims instead), q {tuple(q.shape)} {tuple(q._spec.placements)}")
+    else:
+        text = (f"ulysses on mesh dim {dims[1]} (the inner of the two sequence dims: {q.shape[h]} query and "
+                f"{k.shape[h]} KV heads over its {n1} ranks), then the call on mesh dim {dims[0]} alone "
+                f"(its own choice below), q {tuple(q.shape)} {tuple(q._spec.placements)}")
+    for obs in _trace.plan_observers:
+        obs(str(op), _Decision(op, text), None)
+
+
 def _tracing() -> bool:
     """Is a graph being traced (torch.compile, or a fake / proxy / functionalization mode)?"""
     if torch.compiler.is_compiling() or any(torch._C._get_dispatch_mode(key) is not None for key in _TRACING_KEYS):
@@ -1203,6 +1218,8 @@ def sdpa_context_parallel(op, args, kwargs):
     two = _two_dims_plan(q, k, v, dropout_p, attn_mask)
     if two is not None:
         how, usp = two
+        if _trace.plan_observers:
+            _explain_two_dims(op, q, k, how, usp)
         with op_context(op):
             if how == "flat":
                 o, lse = _flat_forward(kern, q, k, v, usp, bool(is_causal), scale)
