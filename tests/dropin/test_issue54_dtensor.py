@@ -95,6 +95,32 @@ def _meshes_partials():
         _close(c1, ref_w1.grad, f"{key} clipped grad 1")
         _close(c2, ref_w2.grad, f"{key} clipped grad 2")
 
+    # FSDP2's recipe with each fully_shard on a mesh of its own (equal meshes, other groups), then
+    # clip_grad_norm_ over all parameters: dtshard's and PyTorch's fully_shard, against one process
+    import torch.distributed.fsdp as torch_fsdp
+    import torch.nn as nn
+
+    import dtshard.fsdp as our_fsdp
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    inp = torch.randn(6, 8, generator=torch.Generator().manual_seed(4))
+    norms = {}
+    for name, fsdp in (("torch", torch_fsdp), ("dtshard", our_fsdp)):
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+        model.load_state_dict(ref.state_dict())
+        for sub in (model[0], model[2], model):
+            fsdp.fully_shard(sub, mesh=dtshard.init_device_mesh("cpu", (4,)))
+        model(inp).pow(2).sum().backward()
+        total = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        norms[name] = (total.full_tensor(), [p.grad.full_tensor() for p in model.parameters()])
+    ref(inp).pow(2).sum().backward()
+    total = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+    for name, (t, grads) in norms.items():
+        _close(t, total, f"{name} fully_shard on separate meshes: clip_grad_norm_")
+        for gd, p in zip(grads, ref.parameters()):
+            _close(gd, p.grad, f"{name} fully_shard on separate meshes: clipped grad")
+
     # a cached plan belongs to one set of process groups: the same op on m2's tensors after m1's
     # runs on m2 (its output on m2 itself, not on a mesh a cached plan remembered)
     s1 = dtshard.distribute_tensor(X, m1, [Shard(0), Shard(1)])
