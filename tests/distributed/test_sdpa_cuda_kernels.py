@@ -130,6 +130,7 @@ LAYOUTS = {
     "ring": ((2,), [Shard(2)], "ring"),
     "ulysses": ((2,), [Shard(2)], "ulysses"),
     "ring_4": ((4,), [Shard(2)], "ring"),
+    "balanced_4": ((4,), [Shard(2)], "balanced"),  # (causal only: the busy ranks' last rows moved)
     "ulysses_x_ring": ((2, 2), [Shard(2), Shard(2)], "auto"),
     "batch_x_ring": ((2, 2), [Shard(0), Shard(2)], "ring"),
     # the striped layout (tokens in blocks of 4, alternating ranks): causal blocks with more rows
@@ -148,7 +149,7 @@ def _window(n, w, dtype):
 def _cases():
     """``(kernel, layout, causal, q length, (heads, kv heads), windowed bias, kv length)``."""
     for kernel, layout, causal in itertools.product(KERNELS, LAYOUTS, (False, True)):
-        if (layout == "rows" and causal) or (layout in ("heads", "batch") and not causal):
+        if (layout == "rows" and causal) or (layout in ("heads", "batch", "balanced_4") and not causal):
             continue  # rows: the rule shards query rows only without a causal mask
         heads = (8, 2) if kernel == "flash" and layout in ("allgather_kv", "ring", "ring_4") else (4, 4)
         if layout == "rows":
@@ -231,6 +232,8 @@ def test_cuda_kernels_on_sharded_dtensors(world):
                 assert kinds == {"all_to_all": n - 1}, (case, kinds)
             elif layout in ("allgather_kv", "striped"):
                 assert kinds == {"all_gather": 2}, (case, kinds)
+            elif layout == "balanced_4":  # K and V gathered; rows to the partner, results back
+                assert kinds == {"all_gather": 2, "all_to_all": 2}, (case, kinds)
             elif layout == "ulysses":  # q, k, v to heads, the output and its log-sum-exp back
                 assert kinds == {"all_to_all": 5}, (case, kinds)
             elif layout == "mask_kv":  # one exchange of the window's rows
