@@ -23,7 +23,7 @@ decomposition.
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from dtshard.tensor import DTensor, _promote_plain
 
@@ -57,14 +57,26 @@ def _values_kernel(op, positions):
     return run
 
 
+def _first_dtensor(args: tuple, kwargs: dict):
+    """The first DTensor among the arguments (top level or in a list), or None: a plain-tensor call
+    pays a scan of its few arguments, not a pytree walk (these kernels see every call of the op)."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, DTensor):
+            return a
+        if isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, DTensor):
+                    return b
+    return None
+
+
 def _kernel(op):
     def run(*args, **kwargs):
         out = op.decompose(*args, **kwargs)
-
-        dts = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, DTensor)]
-        if not dts:
+        first = _first_dtensor(args, kwargs)
+        if first is None:
             return out
-        mesh = dts[0]._spec.mesh
+        mesh = first._spec.mesh
         return tree_map(lambda t: _promote_plain(t, mesh, what=f"the result of {op}")
                         if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t, out)
 
