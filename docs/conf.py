@@ -32,14 +32,15 @@ extensions = [
 
 source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
 root_doc = "index"
-templates_path = ["_templates"]
 # ARCHITECTURE.md is included by architecture.md (it stays where tests/unit/test_import_graph.py reads it)
 exclude_patterns = ["_build", "ARCHITECTURE.md", "Thumbs.db", ".DS_Store"]
 
 myst_enable_extensions = ["colon_fence", "deflist"]
 myst_heading_anchors = 4          # links to a page's sections: [text](page.md#a-heading)
 
-autosummary_generate = True
+# the API pages hold every name themselves (autosummary tables + autodoc directives): no stub page
+# per name, which made the build twice as slow (furo computes every page's navigation tree)
+autosummary_generate = False
 autosummary_imported_members = False
 autodoc_default_options = {"members": True, "show-inheritance": False}
 autodoc_member_order = "bysource"

@@ -3,7 +3,7 @@ reader would (navigation, code blocks, tables). Not a test: a tool for whoever c
 
     python -m sphinx -W -b html docs docs/_build/html      # build first (docs/index.md)
     python tools/render_docs.py                            # -> docs/_build/png/*.png
-    python tools/render_docs.py --pages index api/generated/dtshard.DTensor --width 1280
+    python tools/render_docs.py --pages index api/dtshard.fsdp --width 1280
 
 Needs Debian's ``chromium`` package (``apt-get install -y chromium``) or any Chromium/Chrome on
 PATH (``--chromium`` names another binary). Each page is rendered at the given window size,
@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_PAGES = ["index", "getting-started", "api/generated/dtshard.DTensor"]
+DEFAULT_PAGES = ["index", "getting-started", "api/dtshard"]
 
 
 def chromium_binary(name: str | None) -> str:
