@@ -370,6 +370,109 @@ def calibrate_worker(rank, world, args, port, out_path):
     dist.destroy_process_group()
 
 
+def _llama(seq):
+    """A small Llama (2 layers, hidden 256, 8 query heads of 32 over 2 KV heads, SDPA attention):
+    at 8K-16K tokens its step is dominated by causal attention, where context parallelism acts."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=seq,
+                      attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg)
+
+
+def llama_worker(rank, world, args, port, out_path):
+    """``--llama``: the Hugging Face Llama above trained on ONE sequence sharded over the ranks
+    (``Shard(1)`` of the token ids, the parameters replicated, ``auto`` strategy): per length the
+    loss, step wall time (median of ``--reps`` after ``--warmup``), the slowest rank's process CPU
+    time, the strategy ``auto`` ran, and the peak of one more step (as the attention rows)."""
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dtshard = import_this_checkout()
+    from dtshard import Shard
+
+    mesh = dtshard.init_device_mesh("cpu", (world,))
+    rows = []
+    for seq in args.seqs:
+        model = _llama(seq)
+        dtshard.distribute_module(model, mesh)
+        ids = torch.randint(0, 256, (1, seq), generator=torch.Generator().manual_seed(seq))
+        dids = dtshard.distribute_tensor(ids, mesh, [Shard(1)])
+        params = list(model.parameters())
+
+        def step():
+            with dtshard.experimental.implicit_replication():
+                loss = model(input_ids=dids, labels=dids, use_cache=False).loss
+            loss.backward()
+            return loss
+
+        walls, cpus, picked = [], [], []
+        for rep in range(args.warmup + args.reps):
+            model.zero_grad(set_to_none=True)
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            if rep == 0:
+                text = dtshard.debug.explain(step)
+                picked = sorted({line.split(": context parallelism: ")[1].split(" ")[0]
+                                 for line in text.splitlines() if ": context parallelism: " in line})
+            else:
+                step()
+            c1 = time.process_time() - c0
+            dist.barrier()
+            if rep >= args.warmup:
+                walls.append(time.perf_counter() - t0)
+                cpus.append(c1)
+        model.zero_grad(set_to_none=True)
+        dist.barrier()
+        peak, extra, unseen = _measured_step(step, params, args.rss)
+        cpu = [None] * world
+        dist.all_gather_object(cpu, statistics.median(cpus) if cpus else None)
+        most = [None] * world
+        dist.all_gather_object(most, (peak, extra, abs(unseen)))
+        loss = step().full_tensor().item()
+        rows.append({"seq": seq, "wall": statistics.median(walls) if walls else None, "cpu": cpu,
+                     "peak": max(m[0] for m in most), "rss": max(m[1] or 0 for m in most) if args.rss else None,
+                     "unseen": max(m[2] for m in most), "strategies": picked, "loss": loss})
+        del model, dids
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(rows, f)
+    dist.destroy_process_group()
+
+
+def llama_one_process(_rank, args, threads, out_path):
+    torch.set_num_threads(threads)
+    rows = []
+    for seq in args.seqs:
+        model = _llama(seq)
+        ids = torch.randint(0, 256, (1, seq), generator=torch.Generator().manual_seed(seq))
+        params = list(model.parameters())
+
+        def step():
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            return loss
+
+        walls, cpus = [], []
+        for rep in range(args.warmup + args.reps):
+            model.zero_grad(set_to_none=True)
+            t0, c0 = time.perf_counter(), time.process_time()
+            step()
+            if rep >= args.warmup:
+                walls.append(time.perf_counter() - t0)
+                cpus.append(time.process_time() - c0)
+        model.zero_grad(set_to_none=True)
+        peak, extra, unseen = _measured_step(step, params, args.rss)
+        loss = step().item()
+        rows.append({"seq": seq, "wall": statistics.median(walls) if walls else None,
+                     "cpu": statistics.median(cpus) if cpus else None, "peak": peak, "rss": extra,
+                     "unseen": abs(unseen), "loss": loss})
+    with open(out_path, "w") as f:
+        json.dump(rows, f)
+
+
 def one_process(_rank, args, threads, out_path):
     """The same layer on whole tensors in one process with ``threads`` threads: median step time
     (after one warm-up) and, with ``--memory``, the peak of one more step, as the ranks measure."""
@@ -435,7 +538,33 @@ def main():
     ap.add_argument("--warmup", type=int, default=1, help="--choice: untimed steps first")
     ap.add_argument("--calibrate", action="store_true",
                     help="measure dtshard.config.attention_cp_pair/byte/collective_seconds on this machine")
+    ap.add_argument("--llama", action="store_true",
+                    help="a small Hugging Face Llama trained on one sequence sharded over the ranks (auto), "
+                         "against one process: step time, slowest rank's CPU, peak memory per rank")
     args = ap.parse_args()
+    if args.llama:
+        if args.rss:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD
+        for world in args.ranks:
+            print(f"load average before: {os.getloadavg()}")
+            rows = _spawn(llama_worker, world, world, args, free_port())
+            base = {b["seq"]: b for b in _spawn(llama_one_process, 1, args, 1)}
+            print(f"{world} ranks (load average after: {os.getloadavg()}); one process on 1 thread\n")
+            rss = " | RSS extra MiB/rank | one process RSS MiB" if args.rss else ""
+            print("| S | strategies auto ran | loss (ranks / one process) | step wall s | one process wall s | "
+                  "slowest rank CPU s | one process CPU s | CPU per rank s | peak MiB/rank | one process peak MiB | "
+                  "peak / one process | replay error MiB" + rss + " |")
+            print("|---:|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:" + ("|---:|---:" if args.rss else "") + "|")
+            for r in rows:
+                b = base[r["seq"]]
+                line = (f"| {r['seq']} | {', '.join(r['strategies'])} | {r['loss']:.6f} / {b['loss']:.6f} | "
+                        f"{r['wall']:.2f} | {b['wall']:.2f} | {max(r['cpu']):.2f} | {b['cpu']:.2f} | "
+                        f"{' '.join(f'{c:.2f}' for c in r['cpu'])} | {_mib(r['peak'])} | {_mib(b['peak'])} | "
+                        f"{r['peak'] / b['peak']:.2f} | {_mib(max(r['unseen'], b['unseen']))}")
+                if args.rss:
+                    line += f" | {_mib(r['rss'])} | {_mib(b['rss'])}"
+                print(line + " |")
+        return
     if args.calibrate:
         for world in args.ranks:
             print(f"load average before: {os.getloadavg()}")
