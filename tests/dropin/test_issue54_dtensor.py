@@ -228,20 +228,20 @@ def _meshes_partials():
     # -- item 11: Partial(max/min) through pointwise ops, reduced to a shard ------------------------
     fns = {"relu": torch.relu, "neg": torch.neg, "add": lambda t: t + 1, "id": lambda t: t}
 
-    def run_max_min():
+    def run_max_min(libs=LIBS):
         res = {}
         for op in ("max", "min"):
             ref_in = torch.maximum(*col) if op == "max" else torch.minimum(*col)
             for fname, fn in fns.items():
                 for target in ([Replicate(), Shard(0)], [Replicate(), Shard(1)], [Shard(1), Shard(0)]):
-                    for name, lib in LIBS:
+                    for name, lib in libs:
                         d = lib.DTensor.from_local(term, m1, [Replicate(), Partial(op)])
                         with CommCounter() as cc:
                             out = fn(d).redistribute(m1, target)
                         _close(out.full_tensor(), fn(ref_in), f"{name} P({op}) {fname} -> {target}")
                         res[name, op, fname, str(target)] = (out.to_local(), cc.kinds())
         for key, (local, _) in res.items():
-            if key[0] == "dtshard":
+            if key[0] == "dtshard" and len(libs) > 1:
                 _close(local, res[("torch",) + key[1:]][0], f"{key} local vs PyTorch")
         return res
 
@@ -251,7 +251,7 @@ def _meshes_partials():
     saved = dict(C.REDUCE_SCATTER_LACKS)
     C.REDUCE_SCATTER_LACKS["gloo"] = frozenset({"max", "min", "product"})
     try:
-        res = run_max_min()
+        res = run_max_min(LIBS[1:])  # dtshard only (the values against one process)
         for key, (_, kinds) in res.items():
             if key[0] == "dtshard":  # values checked in run_max_min; no reduce_scatter was issued
                 assert "reduce_scatter" not in kinds and kinds, (key, kinds)
