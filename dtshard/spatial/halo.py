@@ -198,7 +198,11 @@ def _plan_from_needs(n_in: int, m: int, n: int, me: int, needs) -> WindowPlan:
         start, stop = max(lo, c), min(hi, c + ln)
         return (start, stop - start) if stop > start else (c, 0)
 
-    any_traffic = any(overlap(r, q)[1] for r in range(n) for q in range(n) if q != r)
+    # some rank needs what another owns: its non-empty window is not inside its own chunk (the
+    # chunks partition [0, n_in), so whatever lies outside is another rank's); linear in the
+    # group, where asking every pair was quadratic
+    any_traffic = any(lo < hi and not (owned[r][0] <= lo and hi <= owned[r][0] + owned[r][1])
+                      for r, (lo, hi) in enumerate(need))
     a, b, lo, hi = needs[me]
     c, own_len = owned[me]
     send_offsets, send_lengths = [], []
