@@ -967,4 +967,5 @@ hooks.runtime_entry_points(
     DTensorSpec.__eq__, DTensorSpec.__hash__, DTensorSpec.token,
     _FromLocal.backward, _ToLocal.backward, _Redistribute.backward, _RedistributeCast.backward,
     _settle_grad, _grad_as_dtensor, _store_settled,
+    _DTensorType.__eq__, _DTensorType.__ne__,  # PyTorch's modes compare the class (t == DTensor)
 )
