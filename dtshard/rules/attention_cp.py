@@ -142,6 +142,7 @@ from dtshard._config import config
 from dtshard.handlers import DTensor, bind, make_spec, meta_run, op_context, planned, to_local, wrap
 from dtshard.registry import op_facts, register_handler
 from dtshard.rules.attention import CUDA_BWD, CUDA_FWD
+from dtshard.spec import same_mesh
 
 __all__ = ["Estimate", "choose_strategy", "estimate", "mask_table_stats", "unwatched", "values_readable"]
 
@@ -329,7 +330,7 @@ def _seq_mesh_dim(q, k, v) -> int | None:
     sq, sk, sv = q._spec, k._spec, v._spec
     if sq.extra is not None or sk.extra is not None or sv.extra is not None or q.dim() < 3:
         return None
-    if not (sq.mesh is sk.mesh is sv.mesh and sq.placements == sk.placements == sv.placements):
+    if not (same_mesh(sq.mesh, sk.mesh) and same_mesh(sq.mesh, sv.mesh) and sq.placements == sk.placements == sv.placements):
         return None
     if not C.is_member(sq.mesh):
         return None  # a rank outside the mesh: the rule's path makes its empty outputs
@@ -397,7 +398,7 @@ def _two_seq_dims(q, k, v) -> tuple[int, int] | None:
     if not (type(q) is DTensor and type(k) is DTensor and type(v) is DTensor) or q.dim() < 3:
         return None
     sq = q._spec
-    if not (sq.mesh is k._spec.mesh is v._spec.mesh and sq.placements == k._spec.placements == v._spec.placements):
+    if not (same_mesh(sq.mesh, k._spec.mesh) and same_mesh(sq.mesh, v._spec.mesh) and sq.placements == k._spec.placements == v._spec.placements):
         return None
     if sq.extra is not None or k._spec.extra is not None or v._spec.extra is not None or not C.is_member(sq.mesh):
         return None
@@ -985,7 +986,7 @@ def _whole_mask(mask, q, k, is_causal):
         return None
     if type(mask) is DTensor:
         spec = mask._spec
-        if spec.extra is not None or spec.mesh is not q._spec.mesh \
+        if spec.extra is not None or not same_mesh(spec.mesh, q._spec.mesh) \
                 or any(type(p) is not Replicate for p in spec.placements):
             return None
         mask = mask._local_tensor
@@ -1401,7 +1402,7 @@ def sdpa_context_parallel_backward(op, args, kwargs):
     b = fam.bind(op, args, kwargs)
     g = b["grad_out"] if "grad_out" in b else b["grad_out_"]
     q, k, v, out, lse = b["query"], b["key"], b["value"], b["out"], b["logsumexp"]
-    if type(g) is DTensor and type(q) is DTensor and g._spec.mesh is q._spec.mesh and g._spec.extra is None \
+    if type(g) is DTensor and type(q) is DTensor and same_mesh(g._spec.mesh, q._spec.mesh) and g._spec.extra is None \
             and g._spec.placements != q._spec.placements and all(type(p) is Replicate for p in g._spec.placements):
         g = wrap(to_local(g, q._spec.placements), _spec_like(g, q._spec.placements))  # (loss.sum(): a slice)
     dropout_p, is_causal, attn_mask, scale = b["dropout_p"], b["is_causal"], b.get(fam.mask_name), b["scale"]
@@ -1415,7 +1416,7 @@ def sdpa_context_parallel_backward(op, args, kwargs):
     n_out = len(op._schema.returns)
     two = _two_dims_plan(q, k, v, dropout_p, attn_mask)
     if two is not None and all(type(t) is DTensor and t._spec.placements == q._spec.placements
-                               and t._spec.mesh is q._spec.mesh and t._spec.extra is None for t in (g, out, lse)):
+                               and same_mesh(t._spec.mesh, q._spec.mesh) and t._spec.extra is None for t in (g, out, lse)):
         how, usp = two
         with op_context(op):
             if how == "flat":
@@ -1426,7 +1427,7 @@ def sdpa_context_parallel_backward(op, args, kwargs):
             return tuple(_from_heads(t, q._spec.placements) for t in grads) + (None,) * (n_out - 3)
     i = _seq_mesh_dim(q, k, v) if not dropout_p else None
     if i is not None and not all(type(t) is DTensor and t._spec.placements == q._spec.placements
-                                 and t._spec.mesh is q._spec.mesh and t._spec.extra is None for t in (g, out, lse)):
+                                 and same_mesh(t._spec.mesh, q._spec.mesh) and t._spec.extra is None for t in (g, out, lse)):
         i = None
     i, mask = _with_mask(op, i, attn_mask, q, k, is_causal)
     strategy = None if i is None else _choose(op, q, k, v, i, mask, bool(is_causal))

@@ -72,6 +72,7 @@ from torch._subclasses.fake_tensor import is_fake
 from dtshard import collectives as C
 from dtshard.handlers import DTensor, make_spec, mixed_error, op_context, to_local, wrap
 from dtshard.rules.attention_cp import unwatched, values_readable
+from dtshard.spec import same_mesh
 
 __all__ = ["flex_attention_dtensor", "needed_keys"]
 
@@ -239,7 +240,7 @@ def flex_attention_dtensor(query, key, value, score_mod, block_mask, scale, kern
     for t in (q, k, v):
         if not isinstance(t, DTensor):
             raise mixed_error(_OP, t)
-    if not (q._spec.mesh is k._spec.mesh is v._spec.mesh):
+    if not (same_mesh(q._spec.mesh, k._spec.mesh) and same_mesh(q._spec.mesh, v._spec.mesh)):
         raise ValueError(
             f"dtshard {_OP}: query, key and value live on different meshes ({q._spec.mesh}, {k._spec.mesh}, "
             f"{v._spec.mesh}); shapes and placements {_describe(q, k, v)}. Redistribute them onto one mesh.")

@@ -44,8 +44,9 @@ def _rel(a, b) -> float:
 def _watched():
     """The same sliding-window call (4 ranks, S = 64, window 8, a replicated boolean mask; auto)
     with no mode, under dtshard's CommDebugMode, PyTorch's FlopCounterMode and a deferring counting
-    mode: its collectives (CommCounter: kind, mesh dim, bytes received, forward and backward) and
-    CommDebugMode's counts, and the values against one process."""
+    mode, and with k and v on an equal mesh built separately: its collectives (CommCounter: kind,
+    mesh dim, bytes received, forward and backward) and CommDebugMode's counts, and the values
+    against one process."""
     m = mesh((4,))
     g = torch.Generator().manual_seed(55)
     S, w = 64, 8
@@ -56,11 +57,16 @@ def _watched():
     want = F.scaled_dot_product_attention(*ref, attn_mask=mask)
     want.backward(go)
     dmask = dtshard.distribute_tensor(mask, m, [Replicate()])
+    # a second mesh of the same ranks, built on its own (equal meshes are one: #54 item 1): k and
+    # v on it take the same context-parallel plan as on q's mesh object
+    m2 = dtshard.init_device_mesh("cpu", (4,))
+    assert m2 is not m and m2 == m
     out = {}
-    for name in ("none", "CommDebugMode", "FlopCounterMode", "deferring"):
-        dts = [dtshard.distribute_tensor(t, m, [Shard(2)]).requires_grad_() for t in (q, k, v)]
+    for name in ("none", "CommDebugMode", "FlopCounterMode", "deferring", "equal mesh"):
+        dts = [dtshard.distribute_tensor(t, m2 if name == "equal mesh" and j else m, [Shard(2)]).requires_grad_()
+               for j, t in enumerate((q, k, v))]
         dgo = dtshard.distribute_tensor(go, m, [Shard(2)])
-        mode = {"none": None, "CommDebugMode": dtshard.debug.CommDebugMode(),
+        mode = {"none": None, "equal mesh": None, "CommDebugMode": dtshard.debug.CommDebugMode(),
                 "FlopCounterMode": FlopCounterMode(display=False), "deferring": _DeferringCounter()}[name]
         with CommCounter() as comm:
             if mode is None:
