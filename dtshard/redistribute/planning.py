@@ -314,6 +314,31 @@ def _copy_bytes(kind: str, lens, a_dim, b_dim, n: int, local: float) -> float:
     return 0.0
 
 
+def _plan_copy_bytes(spec: DTensorSpec, steps) -> float:
+    """The local work a plan's group steps add beyond the single-mesh-dim steps' (whose copies
+    the single-dim search has already weighed, :func:`_copy_bytes`): a reducing exchange unpacks
+    every term it receives into a stack and sums the stack (about three times the bytes it
+    receives, where a reduce_scatter leaves the sum to the backend), a flattened reduce_scatter
+    packs its input unless it splits the outermost non-trivial dim.  A plain exchange is charged
+    nothing: it copies about what an all_to_all would, and single-dim steps win exact ties."""
+    itemsize = _itemsize(spec.dtype)
+    shape, mesh_shape = spec.shape, spec.mesh_shape
+    state = list(spec.placements)
+    total = 0.0
+    for s in steps:
+        if isinstance(s, GroupStep):
+            if s.kind == "reduce_exchange":
+                total += 3 * max(s.costs)
+            elif s.kind == "reduce_scatter":
+                d = s.dst[s.mesh_dims[0]].dim  # the tensor dim the reduced mesh dims now shard
+                if any(_local_len(shape, mesh_shape, state, e) != 1 for e in range(d)):
+                    total += _local_numel(shape, mesh_shape, state) * itemsize
+            state = list(s.dst)
+        else:
+            state[s.mesh_dim] = s.dst
+    return total
+
+
 def _steps_cost(spec: DTensorSpec, steps) -> float:
     """Bytes received by the rank that receives most over the whole plan.  Group steps price each
     rank on small meshes (``costs`` by mesh coordinate; the plan's group steps then add up rank by
@@ -371,7 +396,9 @@ def _best_plan(spec: DTensorSpec, src: tuple, dst: tuple) -> tuple:
         raise ValueError(
             f"redistribute: no legal path from {placements_str(src)} to {placements_str(dst)} "
             f"for a tensor of shape {tuple(spec.shape)} on a mesh of shape {tuple(spec.mesh_shape)}")
-    costs = [_steps_cost(spec, c) for c in cands]
+    # bytes received, plus COPY_WEIGHT per byte the plan copies locally around its collectives:
+    # of two plans receiving about the same, the one that packs, unpacks and sums less wins
+    costs = [_steps_cost(spec, c) + COPY_WEIGHT * _plan_copy_bytes(spec, c) for c in cands]
     least = min(costs)
     # among the plans that receive the least bytes: no flattened group of several mesh dims (each
     # is a communicator of its own, costly at thousands of ranks: one is created only where a step
