@@ -329,10 +329,10 @@ def _plan_copy_bytes(spec: DTensorSpec, steps) -> float:
         if isinstance(s, GroupStep):
             if s.kind == "reduce_exchange":
                 total += 3 * max(s.costs)
-            elif s.kind == "reduce_scatter":
-                d = s.dst[s.mesh_dims[0]].dim  # the tensor dim the reduced mesh dims now shard
-                if any(_local_len(shape, mesh_shape, state, e) != 1 for e in range(d)):
-                    total += _local_numel(shape, mesh_shape, state) * itemsize
+            elif s.kind == "reduce_scatter":  # packs as a single-dim reduce_scatter does
+                lens = [_local_len(shape, mesh_shape, state, e) for e in range(len(shape))]
+                total += _copy_bytes("reduce_scatter", lens, None, s.dst[s.mesh_dims[0]].dim, 0,
+                                     math.prod(lens) * itemsize)
             state = list(s.dst)
         else:
             state[s.mesh_dim] = s.dst
