@@ -10,24 +10,25 @@ and a mesh dim shards at most one tensor dim.  Everything below works per tensor
 structure, never by visiting every rank of the mesh.
 
 An exchange moves from a source layout to a target layout over a *group* ``G`` of mesh dims (the
-ranks that differ only there).  The rank that sends receiver ``q`` an element is unique, by rule:
+ranks that differ only there).  The ranks that send receiver ``q`` an element:
 
-- it has ``q``'s coordinates on every mesh dim outside ``G`` and on every mesh dim of ``G`` that the
-  source does not shard (a Replicate there holds the same values on every coordinate, so ``q``'s
-  own coordinate serves; for a Partial being reduced, see below);
-- on the mesh dims of ``G`` that shard the source, the coordinates of the one shard that holds it.
+- have ``q``'s coordinates on every mesh dim outside ``G``;
+- on the mesh dims of ``G`` that shard the source, the coordinates of the one shard that holds it;
+- on the mesh dims of ``G`` that replicate the source, any coordinate: every replica holds the
+  element, and the replicas share the sending (below);
+- a reducing exchange (``red``: the source's Partial mesh dims inside ``G``) takes one term of the
+  element from every coordinate on ``red``, all from ranks that share every other coordinate: one
+  complete set of terms of the Partial's contract, whatever the replicas of other mesh dims hold
+  (they may hold different terms of the same value).  Where ``q`` holds a term itself, the set is
+  its own (it then receives one term fewer).
 
-So the senders of ``q`` (its *peers*) differ from it only on the source-sharding dims of ``G``, and
-each receives exactly what its target region lacks: the least any plan can receive.  The sending
-is shared by the replicas of the source (each replica serves the receivers that share its
-coordinates), not piled on the first of them.
-
-A *reducing* exchange (``red``: the source's Partial mesh dims inside ``G``) gives each receiver one
-term of every element of its target per coordinate on ``red``, each from the peer with that
-coordinate there and ``q``'s own everywhere else but the source-sharding dims: all the terms of an
-element come from ranks that share every coordinate but the reduced ones, so they are one complete
-set of terms of the Partial's contract, whatever the replicas of other mesh dims hold (they may
-hold different terms of the same value).
+So each rank receives exactly what its target region lacks (in a reducing exchange, every term of
+it but its own): the least any plan of this kind can receive.  Which replica sends: on a group of
+up to :data:`BALANCED_GROUP_RANKS` ranks the whole group's demand is shared out exactly evenly,
+a receiver's piece split between replicas where that evens the sending
+(:func:`_balanced_exchange`); on larger groups each receiver's piece comes from one replica, its
+own coordinates shifted by how far the piece's are from its own (:func:`_replica`), so the
+replicas serve different receivers rather than the first of them serving all.
 
 Each rank builds only its own sends and receives (:func:`exchange_plan`: per tensor dim, the
 peers whose pieces overlap, found by chunk arithmetic), and the planner prices a candidate by the
@@ -43,7 +44,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from torch.distributed.tensor.placement_types import Partial, Placement
+from torch.distributed.tensor.placement_types import Placement
 
 from dtshard.spec import (ENUMERATION_LIMIT, Region, _shard_len, _shard_len_starts, _shard_step, chunk_range, is_shard,
                           is_strided, local_region, memo, placement_key, split_factor)
@@ -455,6 +456,26 @@ def exchange_plan(shape, mesh_shape, src, dst, dims: Sequence[int], coord, red: 
     # (linear in the reduced group, which the collective spans anyway; never the whole mesh)
     red_coords = list(itertools.product(*(range(mesh_shape[i]) for i in red)))
 
+    in_dst = {i for b in B for i, _ in b}
+    if src_dims and rep_dims and size <= BALANCED_GROUP_RANKS:
+        # replicated pieces: on a small group, its whole assignment with the sending shared out
+        # evenly (:func:`_balanced_exchange`); the shift rule below gives each receiver's piece to
+        # one replica, which piles up where few receivers need a piece or the replicas' own
+        # targets differ
+        outside = tuple(c for i, c in enumerate(coord) if i not in G)
+        group = memo(_balanced_cache, (shape, mesh_shape, tuple(placement_key(p) for p in src),
+                                       tuple(placement_key(p) for p in dst), dims, red, outside),
+                     lambda: _balanced_exchange(shape, mesh_shape, A, B, dims, coord, src_dims, rep_dims, red),
+                     limit=64)
+        sending, receiving, kept = group[me]
+        got = sum(t.numel for _, ts in receiving for t in ts) + sum(t.numel for t in kept)
+        if got != math.prod(dst_shape) * len(red_coords):
+            raise AssertionError(
+                f"dtshard internal error: the balanced exchange {src} -> {dst} over mesh dims {dims} of mesh "
+                f"{mesh_shape} (tensor {shape}) gives rank {coord} {got} of the "
+                f"{math.prod(dst_shape) * len(red_coords)} terms it needs; please report it")
+        return ExchangePlan(me, size, dst_shape, sending, receiving, kept, not _no_traffic(shape, src, dst, red))
+
     # what I receive: per tensor dim, the source pieces (over the group's source-sharding dims)
     # that meet my target; each from the replica :func:`_replica` names, once per coordinate on
     # ``red``
@@ -490,7 +511,6 @@ def exchange_plan(shape, mesh_shape, src, dst, dims: Sequence[int], coord, red: 
     # coordinates, which then need no search)
     vary = set(src_dims) | set(red) | (set(rep_dims) if src_dims else set())
     per_dim = [_overlapping(shape[d], B[d], mesh_shape, coord, vary, mine_s[d]) for d in range(ndim)]
-    in_dst = {i for b in B for i, _ in b}
     loose = sorted((set(src_dims) | set(red)) - in_dst)
     for combo in itertools.product(*per_dim):
         peer = list(coord)
@@ -539,6 +559,156 @@ def _replica(peer: list, receiver, src_dims, rep_dims, mesh_shape) -> None:
     shift = sum(receiver[k] - peer[k] for k in src_dims)
     for i in rep_dims:
         peer[i] = (receiver[i] + shift) % mesh_shape[i]
+
+
+#: an exchange whose group holds replicated pieces is balanced over the whole group
+#: (:func:`_balanced_exchange`) when the group has at most this many ranks; larger groups keep
+#: the shift rule of :func:`_replica` (docs/known-limits.md)
+BALANCED_GROUP_RANKS = EXACT_PRICING_RANKS
+_balanced_cache: dict = {}
+
+
+def _balanced_exchange(shape, mesh_shape, A, B, dims, coord, src_dims, rep_dims, red):
+    """Every member's ``(sending, receiving, keeps)`` in an exchange whose group holds replicated
+    pieces (``rep_dims``), in group order, with the sending shared as evenly as the plans that
+    receive the least allow.
+
+    A *set* is the members that share every coordinate but the reduced ones ``red`` (``(s, rho)``:
+    ``s`` on the source-sharding dims, which piece they hold, ``rho`` on the replicated ones; one
+    member each when nothing is reduced); one set holds one complete set of terms of its piece.
+    A receiver takes all terms of an element from one set.  Where it holds a term itself (its own
+    set's piece) it takes them from its own set, the only choice that receives the least; that
+    load is fixed (``forced``).  Every other element costs its receiver the same from whichever
+    set holds it, so those (the ``free`` demand on piece ``s``) go where they balance the sending:
+    the sets ``(s, rho)`` are filled like water over their forced loads (:func:`_water_fill`, the
+    least possible maximum for the piece), and the free demand, laid end to end (receivers in
+    group order, each one's boxes row-major), is cut into consecutive runs, one per set (so a
+    receiver's piece is split only where a run ends).  The shift rule of :func:`_replica` gives
+    each receiver's piece to one replica, which piles up where few receivers need a piece
+    (``(S0, R) -> (R, S0)`` on 2x2: one rank sends all 12 elements another needs, where its
+    replica could send half) or the replicas' own targets differ (``(R, P, S0) -> (S0, R, R)`` of
+    ``[4]`` on 2x2x2: 4 elements where 3 suffice).
+
+    Walks the whole group (its size squared in boxes at most), so only small groups
+    (:data:`BALANCED_GROUP_RANKS`) take it; built once per group and shared by its members."""
+    ndim = len(shape)
+    size = math.prod(mesh_shape[i] for i in dims)
+    members = [group_member(mesh_shape, dims, coord, g) for g in range(size)]
+    piece = {}
+    sets: dict[tuple, list[int]] = {}
+    for g, m in enumerate(members):
+        s = tuple(m[i] for i in src_dims)
+        if s not in piece:
+            piece[s] = tuple(_dim_ivs(shape[d], A[d], mesh_shape, m) for d in range(ndim))
+        sets.setdefault((s, tuple(m[i] for i in rep_dims)), []).append(g)
+    target = [tuple(_dim_ivs(shape[d], B[d], mesh_shape, m) for d in range(ndim)) for m in members]
+    sends: list[dict[int, list[Transfer]]] = [{} for _ in members]
+    recvs: list[dict[int, list[Transfer]]] = [{} for _ in members]
+    keeps: list[list[Transfer]] = [[] for _ in members]
+    load = [0] * size
+
+    def move(g, q, boxes):
+        sends[g].setdefault(q, []).extend(boxes)
+        recvs[q].setdefault(g, []).extend(boxes)
+        load[g] += sum(t.numel for t in boxes)
+
+    # forced: what a receiver holds a term of comes from its own set
+    for q, m in enumerate(members):
+        s, rho = tuple(m[i] for i in src_dims), tuple(m[i] for i in rep_dims)
+        boxes = _transfers(piece[s], target[q])
+        if boxes:
+            for g in sets[(s, rho)]:
+                if g == q:
+                    keeps[q].extend(boxes)
+                else:
+                    move(g, q, boxes)
+    rhos = sorted({rho for _, rho in sets})
+    for s in sorted(piece):
+        demand = []
+        for q, m in enumerate(members):
+            if tuple(m[i] for i in src_dims) != s:
+                boxes = _transfers(piece[s], target[q])
+                if boxes:
+                    demand.append((q, boxes, sum(t.numel for t in boxes)))
+        if not demand:
+            continue
+        forced = [max(load[g] for g in sets[(s, rho)]) for rho in rhos]
+        share = _water_fill(forced, sum(n for _, _, n in demand))
+        runs, start = [], 0
+        for rho, x in zip(rhos, share):
+            runs.append((start, start + x, sets[(s, rho)]))
+            start += x
+        pos = 0
+        for q, boxes, n in demand:
+            for lo, hi, senders in runs:
+                a, b = max(lo, pos), min(hi, pos + n)
+                if a < b:
+                    part = _boxes_span(boxes, a - pos, b - pos)
+                    for g in senders:
+                        move(g, q, part)
+            pos += n
+    return [(_sorted(sends[g]), _sorted(recvs[g]), tuple(keeps[g])) for g in range(size)]
+
+
+def _water_fill(forced: Sequence[int], total: int) -> list[int]:
+    """Split ``total`` units among bins already holding ``forced`` so the fullest bin holds the
+    least possible: every bin filled up to one level ``t`` (the largest whose fill fits), the
+    remainder one unit each to the lowest bins, first bin first."""
+    out = [0] * len(forced)
+    if total <= 0 or not forced:
+        return out
+    lo, hi = min(forced), min(forced) + total
+    while lo < hi:  # the largest level whose fill is at most total
+        mid = (lo + hi + 1) // 2
+        if sum(max(0, mid - f) for f in forced) <= total:
+            lo = mid
+        else:
+            hi = mid - 1
+    out = [max(0, lo - f) for f in forced]
+    left = total - sum(out)
+    for j in sorted(range(len(forced)), key=lambda j: (forced[j] + out[j], j)):
+        if not left:
+            break
+        out[j] += 1
+        left -= 1
+    return out
+
+
+def _span(lens: Sequence[int], a: int, b: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Elements ``a`` .. ``b - 1`` (row-major) of a box of ``lens``, as ``(offsets, lengths)`` boxes:
+    a head in the first row, whole rows, a tail in the last (at most ``2 * len(lens) - 1``)."""
+    if a >= b:
+        return []
+    if not lens:
+        return [((), ())]
+    inner = math.prod(lens[1:])
+    rows = tuple(lens[1:])
+    if a % inner == 0 and b % inner == 0:
+        return [((a // inner,) + (0,) * len(rows), (b // inner - a // inner,) + rows)]
+    ra, rb = a // inner, (b - 1) // inner
+    if ra == rb:
+        return [((ra,) + o, (1,) + n) for o, n in _span(rows, a - ra * inner, b - ra * inner)]
+    out = _span(lens, a, (ra + 1) * inner)
+    if rb > ra + 1:
+        out.append(((ra + 1,) + (0,) * len(rows), (rb - ra - 1,) + rows))
+    return out + _span(lens, rb * inner, b)
+
+
+def _boxes_span(boxes: Sequence[Transfer], a: int, b: int) -> list[Transfer]:
+    """Elements ``a`` .. ``b - 1`` of ``boxes`` laid end to end (each row-major), as transfers."""
+    out, pos = [], 0
+    for t in boxes:
+        lo, hi = max(a, pos), min(b, pos + t.numel)
+        if lo < hi:
+            if lo == pos and hi == pos + t.numel:
+                out.append(t)
+            else:
+                for offs, lens in _span([n for _, n in t.src_slices], lo - pos, hi - pos):
+                    out.append(Transfer(tuple((s + o, n) for (s, _), o, n in zip(t.src_slices, offs, lens)),
+                                        tuple((s + o, n) for (s, _), o, n in zip(t.dst_slices, offs, lens)),
+                                        math.prod(lens)))
+        pos += t.numel
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
