@@ -56,6 +56,19 @@ _padding_noted: set = set()
 PADDED_REDUCE_OPS = ("sum", "avg")
 
 
+def pads_reduce_scatter(op: str, sizes) -> bool:
+    """Whether an uneven reduce_scatter of pieces ``sizes`` pads them to the largest (one
+    collective, the sum left to the backend) rather than exchanging the exact pieces: for the
+    reductions of :data:`PADDED_REDUCE_OPS`, where padding makes no rank send more than 1.25x what
+    it sends with the exact pieces (``k - 1`` largest padded, against all pieces but its own, the
+    least for the rank keeping the largest).  Nearly even pieces pad (``[8] * 125 + [0] * 3``);
+    a short or empty last piece among few does not (``[2, 2, 1, 0]``: every rank would send 6
+    rows, the exact pieces send 3 to 5)."""
+    if op not in PADDED_REDUCE_OPS:
+        return False
+    return 4 * (len(sizes) - 1) * max(sizes) <= 5 * (sum(sizes) - max(sizes))
+
+
 def note_padding(spec: DTensorSpec, dim: int, sizes) -> None:
     """Log once per (shape, placements, dim) that an uneven layout pads for a collective."""
     key = (spec.shape, spec.placements, dim)

@@ -41,7 +41,7 @@ import torch
 from dtshard import collectives as C
 from dtshard._config import config
 from dtshard._trace import copy_observers, note_copy
-from dtshard.redistribute.packing import PADDED_REDUCE_OPS, copied, note_padding, numel_except, reduce_terms, with_length
+from dtshard.redistribute.packing import copied, note_padding, numel_except, pads_reduce_scatter, reduce_terms, with_length
 from dtshard.redistribute.planning import Step
 from dtshard.spec import DTensorSpec, _itemsize, chunk_sizes, local_shape_classes, local_shapes
 
@@ -213,7 +213,7 @@ def reduce_scatter_pipelined(x, spec, i, me, op, d, pipe: _Pipe):
         return None  # the caller runs the one-collective path
     out = x.new_empty(with_length(x.shape, d, mine))
     m = pipe.dim
-    if even or op in PADDED_REDUCE_OPS:
+    if even or pads_reduce_scatter(op, sizes):
         # uneven blocks padded to the largest, as running's one-collective path does
         full = out if mine == block else x.new_empty(with_length(x.shape, d, block))
         C.report_transfer("reduce_scatter", i, (n - 1) * numel_except(x.shape, d) * block * x.element_size(), n)

@@ -61,9 +61,9 @@ class GroupStep:
     ``reduce_scatter``: Partial on them -> Shard(d) on all of them (nested in mesh order);
     ``exchange``: any Shard/Replicate layout -> any other, as one ``all_to_all`` with per-rank split
     sizes in which each rank receives exactly what its new shard lacks (``dtshard.layout``);
-    ``reduce_exchange``: Partial (sums, averages) on some of them -> any Shard/Replicate layout, as
-    one such ``all_to_all`` in which each rank receives every other term of its new shard and sums
-    them (where no reduce_scatter can land, e.g. ``(P, S0) -> (S0, S0)``);
+    ``reduce_exchange``: Partial (sums and averages, or one max, or one min) on some of them -> any
+    Shard/Replicate layout, as one such ``all_to_all`` in which each rank receives every other term
+    of its new shard and reduces them (where no reduce_scatter can land, e.g. ``(P, S0) -> (S0, S0)``);
     ``all_gather``: Shard(d) on the innermost mesh dims sharding d -> Replicate on them, as one
     all_gather (one latency instead of one per mesh dim).
     ``cost``: bytes received by the rank that receives most (the same number on every rank).
@@ -466,7 +466,7 @@ def _group_plans(spec: DTensorSpec, src: tuple, dst: tuple) -> list[tuple]:
     ops = {src[i].reduce_op for i in red}
     if len(ops) != 1 and not ops <= {"sum", "avg"}:
         return out  # max/min mixed with other reductions do not commute: one mesh dim at a time
-    if ops <= {"sum", "avg"}:
+    if ops <= {"sum", "avg"} or ops in ({"max"}, {"min"}):
         rx = _reduce_exchange_steps(spec, src, dst, tuple(red))
         if rx is not None:
             out.append(rx)
@@ -582,7 +582,8 @@ def _exchange_steps(spec: DTensorSpec, src: tuple, dst: tuple):
 
 
 def _reduce_exchange_steps(spec: DTensorSpec, src: tuple, dst: tuple, red: tuple):
-    """``(GroupStep,)`` that reduces the Partial dims ``red`` (sums and averages) AND moves to
+    """``(GroupStep,)`` that reduces the Partial dims ``red`` (sums and averages, or all max, or
+    all min) AND moves to
     ``dst`` in ONE all_to_all whose receivers sum the terms: each rank receives one term of each
     element of its target shard from every coordinate on ``red`` but its own, the least any plan
     can receive (a reduce_scatter onto a tensor dim that a later mesh dim already shards, e.g.

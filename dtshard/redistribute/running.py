@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from dtshard import collectives as C
 from dtshard import layout as L
-from dtshard.redistribute.packing import PADDED_REDUCE_OPS, copied, note_padding, numel_except, parent_length, reduce_terms, region, with_length
+from dtshard.redistribute.packing import copied, note_padding, numel_except, pads_reduce_scatter, parent_length, reduce_terms, region, with_length
 from dtshard.redistribute.pipelining import (all_gather_pipelined, all_to_all_pipelined, pipe_for,
                                              reduce_scatter_pipelined)
 from dtshard.redistribute.planning import GroupStep, Step, plan
@@ -62,7 +62,7 @@ def _reduce_scatter(x, spec, i, me, op, d):
     # one mesh dim: the planner prices the step by its largest piece for every rank (planning.
     # _step_cost), what the padded reduce_scatter receives; the backend does the reduction
     sizes = chunk_sizes(x.shape[d], spec.mesh_shape[i])
-    return _reduce_scatter_sizes(x, spec, i, me, op, d, sizes, padded=op in PADDED_REDUCE_OPS)
+    return _reduce_scatter_sizes(x, spec, i, me, op, d, sizes, padded=pads_reduce_scatter(op, sizes))
 
 
 def _reduce_scatter_sizes(x, spec, group, me, op, d, sizes, padded=False):
@@ -333,8 +333,9 @@ def _reduce_exchange(x: torch.Tensor, spec: DTensorSpec, step: GroupStep, coord)
     """One all_to_all over the flattened group that reduces its Partial mesh dims on the way
     (``planning._reduce_exchange_steps``): each rank receives, for every coordinate on those dims
     but its own, the term of each element of its target shard, stacks them by coordinate (its own
-    term in its place) and sums the stack, so every rank adds the terms of an element in the same
-    order (replicas stay bit-identical).  Averages divide by the size of their mesh dims."""
+    term in its place) and reduces the stack (a sum, or a max or min when that is the one
+    reduction), so every rank adds the terms of an element in the same order (replicas stay
+    bit-identical).  Averages divide by the size of their mesh dims."""
     dims = step.mesh_dims
     red = tuple(i for i in dims if isinstance(step.src[i], Partial))
     key = (spec.shape, spec.mesh_shape, step.src, step.dst, dims, coord, red)
@@ -375,7 +376,8 @@ def _reduce_exchange(x: torch.Tensor, spec: DTensorSpec, step: GroupStep, coord)
                 region(slot, t.dst_slices).copy_(recv[off:off + t.numel].view([n for _, n in t.dst_slices]))
                 off += t.numel
         unread = None if off else recv
-    out = reduce_terms(terms, "sum")
+    ops = {step.src[i].reduce_op for i in red}
+    out = reduce_terms(terms, ops.pop() if ops in ({"max"}, {"min"}) else "sum")
     if unread is not None:  # receiving nothing, this rank still takes part (see C.consumed)
         out = C.consumed(out, unread)
     n_avg = math.prod(spec.mesh_shape[i] for i in red if step.src[i].reduce_op == "avg")

@@ -17,6 +17,11 @@ arithmetic, not dtshard's planner or layout code):
   after which it holds the whole reduced shard); the cheapest of these, plus what the rank then
   still lacks.
 
+The other direction: the most any rank SENDS (``CommCounter.bytes``, the collectives' own count)
+is at most 1.25x the floor of :func:`minimum_sent`, wherever the shards alone give one: the
+holders of replicated data share the sending.  (2x where a Partial reduces onto a target that
+leaves ranks empty: see :func:`_send_slack`.)
+
 Partial sources hold terms that differ between the replicas of the other mesh dims (``_terms``'
 ``key``): a plan that sums one replica's terms with another's is caught.
 
@@ -108,6 +113,51 @@ def minimum_received(shape, mesh_shape, src, dst) -> float:
                              - _overlap(_box(shape, mesh_shape, dst, c), _box(shape, mesh_shape, src, c))
                              for c in coords))
     return best
+
+
+def minimum_sent(shape, mesh_shape, src, dst) -> float | None:
+    """A floor under the most any rank must send, where one follows from the shards alone (None
+    elsewhere: a Partial target, or Partial terms that replicas share); each element sent once
+    from a holder to each rank that lacks it (no relays: a ring collective can send less, so the
+    check errs on the side of passing, never fails a plan that meets a true floor).
+
+    - No Partial source: ranks holding the same box are the replicas of it (boxes are equal or
+      disjoint); they share the demand for it, so one of them sends at least its share:
+      ``ceil(sum over ranks of what they lack of the box / number of replicas)``.
+    - Partial sources, the other mesh dims all Shard: every term of an element sits on one rank
+      only, and each rank that needs the element needs that term: a rank sends its term of each
+      element to every other rank whose target holds it."""
+    coords = list(itertools.product(*(range(n) for n in mesh_shape)))
+    if any(isinstance(p, Partial) for p in dst):
+        return None
+    boxes = {c: _box(shape, mesh_shape, src, c) for c in coords}
+    targets = {c: _box(shape, mesh_shape, dst, c) for c in coords}
+    if any(isinstance(p, Partial) for p in src):
+        if any(isinstance(p, Replicate) for p in src):
+            return None
+        return max(sum(_overlap(targets[q], boxes[c]) for q in coords if q != c) for c in coords)
+    replicas: dict = {}
+    for c in coords:
+        replicas.setdefault(tuple(boxes[c]), []).append(c)
+    best = 0
+    for box, holders in replicas.items():
+        held = set(holders)
+        demand = sum(_overlap(targets[q], list(box)) for q in coords if q not in held)
+        best = max(best, -(-demand // len(holders)))
+    return best
+
+
+def _send_slack(shape, mesh_shape, src, dst) -> float:
+    """1.25, but 2 where a Partial source reduces onto a target that leaves some ranks empty (the
+    sum lands on fewer ranks than hold its terms: ``(P, P) -> (S1, S1)`` of ``[2, 1]`` on 2x2).
+    There the least sending takes a chain of partial sums into the receivers, a step dtshard
+    does not have: its all_reduce-based plans receive the least and send up to 1.67x the floor
+    (a reducing exchange would send the floor but receive 2x the least); docs/known-limits.md."""
+    if not any(isinstance(p, Partial) for p in src):
+        return 1.25
+    coords = itertools.product(*(range(n) for n in mesh_shape))
+    empty = any(_numel(_box(shape, mesh_shape, dst, c)) == 0 for c in coords)
+    return 2.0 if empty and math.prod(shape) else 1.25
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,7 +260,7 @@ def _run_all(mesh_shape, shape, transitions):
             problem = f"placements {y.placements}"
         elif tuple(y._local_tensor.shape) != tuple(b - a for a, b in _box(shape, mesh_shape, dst, coord)):
             problem = f"local shape {tuple(y._local_tensor.shape)}"
-        out.append((comm.received(), problem, y.to_local().clone()))
+        out.append((comm.received(), problem, y.to_local().clone(), comm.bytes()))
     return coord, out
 
 
@@ -260,10 +310,14 @@ def _check(mesh_shape, shape, transitions, min_boxes=None):
             probs = [value] if value else []
         got = max(per_rank[r][k][0] for r in range(world))
         want = minimum_received(shape, mesh_shape, src, dst) * 8  # float64 bytes
+        sent = max(per_rank[r][k][3] for r in range(world))
+        floor = minimum_sent(shape, mesh_shape, src, dst)
         if probs:
             bad.append(f"{src} -> {dst}: {probs[0]}")
         elif got > 1.25 * want + 1e-9:
             bad.append(f"{src} -> {dst}: received {got} B, minimum {want:.0f} B ({got / max(want, 1):.2f}x)")
+        elif floor is not None and sent > _send_slack(shape, mesh_shape, src, dst) * floor * 8 + 1e-9:
+            bad.append(f"{src} -> {dst}: a rank sent {sent} B, the floor is {floor * 8} B")
     assert not bad, f"mesh {mesh_shape}, shape {shape}: {len(bad)} of {len(transitions)} transitions:\n" + "\n".join(bad[:40])
 
 
