@@ -29,8 +29,9 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from dtshard import layout as L
 from dtshard.layout import exchange_costs
-from dtshard.spec import (DTensorSpec, _itemsize, chunk_range, is_strided, memo, placement_equal, placement_key,
-                          placement_str, placements_str)
+from dtshard.redistribute.packing import pads_reduce_scatter
+from dtshard.spec import (DTensorSpec, _itemsize, chunk_range, chunk_sizes, is_strided, local_shape, memo,
+                          placement_equal, placement_key, placement_str, placements_str)
 from dtshard.spec import placement_kind as _kind
 
 __all__ = ["Step", "GroupStep", "all_coords", "clear_plan_cache", "plan", "plan_text", "transition_cost",
@@ -365,6 +366,87 @@ def _steps_cost(spec: DTensorSpec, steps) -> float:
     return flat + (max(per_rank) if per_rank else 0.0)
 
 
+#: on meshes of up to this many ranks, the planner also works out what each rank SENDS in every
+#: plan that receives the least (:func:`plan_sends`, rank by rank): where the plan it would pick
+#: makes some rank send more than 1.25x another such plan does, it takes the other
+SEND_PRICING_RANKS = 16
+
+
+def plan_sends(spec: DTensorSpec, steps) -> tuple[int, ...]:
+    """Bytes each rank (mesh coordinates in row-major order) sends in ``steps``, as the
+    collectives count them (``CommCounter.bytes``: a ring all_gather sends ``n - 1`` copies of its
+    padded shard, a ring all_reduce ``2 (n - 1) / n`` of it, a reduce_scatter ``(n - 1) / n`` of its
+    padded input or, of exact pieces, every piece but its own, an all_to_all every split but its
+    own, an exchange its plan's send sizes).  Walks every rank: small meshes only (tests hold it
+    to the counts measured on real ranks)."""
+    itemsize = _itemsize(spec.dtype)
+    shape, mesh_shape = tuple(spec.shape), tuple(spec.mesh_shape)
+    out = []
+    for c in all_coords(mesh_shape):
+        state = tuple(spec.placements)
+        sent = 0
+        for s in steps:
+            x = local_shape(shape, mesh_shape, state, c)
+            nbytes = math.prod(x) * itemsize
+            if isinstance(s, GroupStep):
+                dims, k = s.mesh_dims, math.prod(mesh_shape[i] for i in s.mesh_dims)
+                if s.kind in ("exchange", "reduce_exchange"):
+                    red = tuple(i for i in dims if isinstance(s.src[i], Partial)) if s.kind == "reduce_exchange" else ()
+                    ep = L.exchange_plan(shape, mesh_shape, s.src, s.dst, dims, c, red)
+                    if ep.any_traffic:
+                        sent += (k - 1) * nbytes if ep.gather else sum(ep.send_sizes()) * itemsize
+                elif s.kind == "all_reduce":
+                    sent += 2 * (k - 1) * nbytes // k
+                elif s.kind in ("reduce_scatter", "all_gather"):
+                    placements = s.dst if s.kind == "reduce_scatter" else s.src
+                    d = placements[dims[0]].dim
+                    sizes = [local_shape(shape, mesh_shape, placements, m)[d]
+                             for m in L.group_coords(mesh_shape, dims, c)]
+                    me = L.group_index(mesh_shape, dims, c)
+                    sent += _collective_sends(s.kind, x, d, sizes, me, itemsize, padded=False)
+                state = tuple(s.dst)
+                continue
+            n = mesh_shape[s.mesh_dim]
+            if n > 1 and s.kind not in _LOCAL:
+                if s.kind == "all_reduce":
+                    sent += 2 * (n - 1) * nbytes // n
+                elif s.kind == "all_gather":
+                    d = s.src.dim
+                    parent = list(local_shape(shape, mesh_shape, state[:s.mesh_dim] + (_R,) + state[s.mesh_dim + 1:], c))
+                    sent += _collective_sends("all_gather", x, d, chunk_sizes(parent[d], n), c[s.mesh_dim], itemsize)
+                elif s.kind == "reduce_scatter":
+                    sizes = chunk_sizes(x[s.dst.dim], n)
+                    sent += _collective_sends("reduce_scatter", x, s.dst.dim, sizes, c[s.mesh_dim], itemsize,
+                                              padded=pads_reduce_scatter(s.src.reduce_op, sizes))
+                elif s.kind == "all_to_all":
+                    d, e = s.src.dim, s.dst.dim
+                    parent = list(local_shape(shape, mesh_shape, state[:s.mesh_dim] + (_R,) + state[s.mesh_dim + 1:], c))
+                    if math.prod(v for j, v in enumerate(x) if j not in (d, e)) and parent[d] and x[e]:
+                        sizes_e = chunk_sizes(x[e], n)
+                        sent += (x[e] - sizes_e[c[s.mesh_dim]]) * (math.prod(x) // x[e]) * itemsize
+            state = state[:s.mesh_dim] + (s.dst,) + state[s.mesh_dim + 1:]
+        out.append(sent)
+    return tuple(out)
+
+
+def _collective_sends(kind: str, x, d: int, sizes, me: int, itemsize: int, padded: bool = True) -> int:
+    """Bytes a rank holding a shard of shape ``x`` sends in an all_gather along / reduce_scatter
+    onto tensor dim ``d`` over a group whose members' lengths there are ``sizes`` (running.py's
+    paths: nothing when the data is empty, the padded buffer, or for an unpadded uneven
+    reduce_scatter the exact pieces by all_to_all)."""
+    n, block = len(sizes), max(sizes)
+    per = math.prod(v for j, v in enumerate(x) if j != d)
+    if kind == "all_gather":
+        if block == 0 or per == 0:
+            return 0
+        return (n - 1) * block * per * itemsize
+    if math.prod(x) == 0:
+        return 0
+    if not padded and any(v != block for v in sizes):
+        return (sum(sizes) - sizes[me]) * per * itemsize
+    return (n - 1) * (n * block * per * itemsize) // n
+
+
 def all_coords(mesh_shape) -> list[tuple[int, ...]]:
     """Every coordinate of the mesh: for tests and small meshes only (never on a path whose cost
     must not grow with the ranks)."""
@@ -406,9 +488,34 @@ def _best_plan(spec: DTensorSpec, src: tuple, dst: tuple) -> tuple:
     # exchanges (their per-box packing costs more CPU than a plain collective's), then the first
     # found (single-mesh-dim steps first)
     tied = [k for k, c in enumerate(costs) if c <= least * (1 + 1e-6) + 1.0]
-    k = min(tied, key=lambda k: (_flattens(cands[k]), _n_collectives(cands[k]),
-                                 sum(s.kind in ("exchange", "reduce_exchange") for s in cands[k]), k))
+
+    def order(k):
+        return (_flattens(cands[k]), _n_collectives(cands[k]),
+                sum(s.kind in ("exchange", "reduce_exchange") for s in cands[k]), k)
+
+    k = min(tied, key=order)
+    if math.prod(spec.mesh_shape) <= SEND_PRICING_RANKS and len(cands) > 1:
+        k = _sends_shared(spec, cands, costs, k, order)
     return cands[k]
+
+
+def _sends_shared(spec: DTensorSpec, cands, costs, k: int, order) -> int:
+    """``k``, unless it makes the busiest sender send over 1.25x what another plan receiving at
+    most 1.25x the least does: then, of the plans within 1.25x of the least sending among those,
+    the one that receives least.  Both of a rank's links then carry at most 1.25x their least:
+    plans that receive about alike can differ in sending (an all_reduce then an exchange sends
+    every term of a small result twice where a reduce_scatter then the exchange, or one reducing
+    exchange, sends each once)."""
+    received = [_steps_cost(spec, c) for c in cands]
+    least = min(received)
+    pool = [j for j, r in enumerate(received) if r <= 1.25 * least + 1.0]
+    if pool == [k]:
+        return k
+    sends = {j: max(plan_sends(spec, cands[j]), default=0) for j in set(pool) | {k}}
+    best = min(sends[j] for j in pool)
+    if sends[k] <= 1.25 * best:
+        return k
+    return min((j for j in pool if sends[j] <= 1.25 * best), key=lambda j: (received[j], costs[j], order(j)))
 
 
 #: On meshes of more than ``layout.EXACT_PRICING_RANKS`` ranks every collective step pays, in

@@ -42,7 +42,10 @@ import torch
 
 import dtshard
 from dtshard import Partial, Replicate, Shard
+from dtshard.redistribute import planning
+from dtshard.spec import DTensorSpec, contiguous_strides
 from dtshard.testing import run_distributed
+from dtshard.validate.simulate import SimMesh
 
 from _cases import plans_made_once, use_plans  # noqa: E402
 
@@ -303,8 +306,17 @@ def _check(mesh_shape, shape, transitions, min_boxes=None):
     per_rank = [out for _, out in answers]
     x = _global(shape)
     bad = []
+    sim = SimMesh(mesh_shape)
+    order = list(itertools.product(*(range(n) for n in mesh_shape)))
     for k, (src, dst) in enumerate(transitions):
         probs = [per_rank[r][k][1] for r in range(world) if per_rank[r][k][1]]
+        # the planner's own account of what each rank sends (it chooses between plans by it)
+        # is what the collectives counted
+        spec = DTensorSpec(sim, tuple(src), tuple(shape), contiguous_strides(shape), torch.float64)
+        model = planning.plan_sends(spec, planning.plan(spec, tuple(dst)))
+        measured = tuple(per_rank[coords.index(c)][k][3] for c in order)
+        if model != measured:
+            probs.append(f"the planner's sends {model} != counted {measured}")
         if not probs:
             value = _value_problem(x, mesh_shape, dst, {coords[r]: per_rank[r][k][2] for r in range(world)})
             probs = [value] if value else []
