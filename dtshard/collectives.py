@@ -34,6 +34,7 @@ __all__ = [
     "all_reduce",
     "all_to_all",
     "broadcast",
+    "reduce",
     "reduce_scatter",
     "mesh_coordinate",
     "mesh_dim_rank",
@@ -490,6 +491,30 @@ def all_reduce(x: torch.Tensor, op: str, mesh: DeviceMesh, mesh_dim: int) -> tor
         opts = dist.AllreduceOptions()
         opts.reduceOp = _REDUCE_OPS[op]
         pg.allreduce([out], opts).wait()
+        return out
+    return _wait(_fc.all_reduce(x.contiguous(), op, name))
+
+
+def reduce(x: torch.Tensor, op: str, mesh: DeviceMesh, mesh_dim, dst_index: int) -> torch.Tensor:
+    """The elementwise reduction (``sum``, ``max``, ``min``) of the group's ``x`` on the member at
+    index ``dst_index`` of the group of ``mesh_dim`` (a tuple: the flattened group); what the others
+    get back is not to be read.  Accounted as a chain into the destination: every other member
+    sends its (partial) result once, and a member receives at most one.  Traced (torch.compile),
+    or on a backend other than gloo and NCCL, it runs as an all_reduce (the same values on the
+    destination, more bytes)."""
+    name, n = _group(mesh, mesh_dim)
+    if _observers:
+        _notify("reduce", mesh_dim, 0 if group_rank(mesh, mesh_dim) == dst_index else _nbytes(x), n, _nbytes(x))
+    order = _member_order(mesh, mesh_dim)
+    root = dst_index if order is None else order[dst_index]  # the destination's group rank
+    pg = _eager_group(mesh, mesh_dim, x) if op in _REDUCE_OPS else None
+    if pg is not None and _backend_name(pg) in ("gloo", "nccl"):
+        out = x.clone(memory_format=torch.contiguous_format)
+        opts = dist.ReduceOptions()
+        opts.reduceOp = _REDUCE_OPS[op]
+        opts.rootRank = root
+        opts.rootTensor = 0
+        pg.reduce([out], opts).wait()
         return out
     return _wait(_fc.all_reduce(x.contiguous(), op, name))
 

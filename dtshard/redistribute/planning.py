@@ -30,8 +30,9 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from dtshard import layout as L
 from dtshard.layout import exchange_costs
 from dtshard.redistribute.packing import pads_reduce_scatter
-from dtshard.spec import (DTensorSpec, _itemsize, chunk_range, chunk_sizes, is_strided, local_shape, memo,
-                          placement_equal, placement_key, placement_str, placements_str)
+from dtshard.spec import (DTensorSpec, _itemsize, chunk_range, chunk_sizes, is_strided, local_shape,
+                          local_shape_and_offset, memo, placement_equal, placement_key, placement_str,
+                          placements_str)
 from dtshard.spec import placement_kind as _kind
 
 __all__ = ["Step", "GroupStep", "all_coords", "clear_plan_cache", "plan", "plan_text", "transition_cost",
@@ -66,7 +67,9 @@ class GroupStep:
     Shard/Replicate layout, as one such ``all_to_all`` in which each rank receives every other term
     of its new shard and reduces them (where no reduce_scatter can land, e.g. ``(P, S0) -> (S0, S0)``);
     ``all_gather``: Shard(d) on the innermost mesh dims sharding d -> Replicate on them, as one
-    all_gather (one latency instead of one per mesh dim).
+    all_gather (one latency instead of one per mesh dim);
+    ``reduce``: Partial on them -> a layout whose shards are empty but on one or two members of
+    each group, as one ``reduce`` into each of those (a chain: no rank receives a piece twice).
     ``cost``: bytes received by the rank that receives most (the same number on every rank).
     Which rank sends what in an exchange, and why every Partial term it sums belongs to one
     complete set of terms, is ``dtshard.layout``'s rule.
@@ -397,6 +400,10 @@ def plan_sends(spec: DTensorSpec, steps) -> tuple[int, ...]:
                         sent += (k - 1) * nbytes if ep.gather else sum(ep.send_sizes()) * itemsize
                 elif s.kind == "all_reduce":
                     sent += 2 * (k - 1) * nbytes // k
+                elif s.kind == "reduce":  # every member sends each piece but its own
+                    me = L.group_index(mesh_shape, dims, c)
+                    sent += sum(math.prod(local_shape(shape, mesh_shape, s.dst, m))
+                                for g, m in enumerate(L.group_coords(mesh_shape, dims, c)) if g != me) * itemsize
                 elif s.kind in ("reduce_scatter", "all_gather"):
                     placements = s.dst if s.kind == "reduce_scatter" else s.src
                     d = placements[dims[0]].dim
@@ -574,9 +581,9 @@ def _group_plans(spec: DTensorSpec, src: tuple, dst: tuple) -> list[tuple]:
     if len(ops) != 1 and not ops <= {"sum", "avg"}:
         return out  # max/min mixed with other reductions do not commute: one mesh dim at a time
     if ops <= {"sum", "avg"} or ops in ({"max"}, {"min"}):
-        rx = _reduce_exchange_steps(spec, src, dst, tuple(red))
-        if rx is not None:
-            out.append(rx)
+        for steps in (_reduce_exchange_steps(spec, src, dst, tuple(red)), _reduce_to_steps(spec, src, dst, tuple(red))):
+            if steps is not None:
+                out.append(steps)
     for mid, step in _reductions(spec, src, tuple(red)):
         if mid == dst:
             out.append((step,))
@@ -711,6 +718,43 @@ def _reduce_exchange_steps(spec: DTensorSpec, src: tuple, dst: tuple, red: tuple
             if costs is not None:
                 return (GroupStep(dims, src, dst, "reduce_exchange", tuple(c * itemsize for c in costs)),)
     return None
+
+
+#: a reduction whose result lands on at most this many members of each group (the target leaves
+#: the others empty) may run as one ``reduce`` per such member (:func:`_reduce_to_steps`)
+REDUCE_TO_MAX_TARGETS = 2
+
+
+def _reduce_to_steps(spec: DTensorSpec, src: tuple, dst: tuple, red: tuple):
+    """``(GroupStep,)`` that reduces the Partial dims ``red`` straight into the few members of each
+    group whose target shard is not empty, one ``reduce`` collective each (``collectives.reduce``:
+    a chain into that member, so a rank sends its piece once and receives at most one), where only
+    ``red`` changes and the target leaves the other members of the group empty: ``(P, P) -> (S1,
+    S1)`` of a ``[2, 1]`` tensor on 2x2 (one rank gets the whole sum) receives 2 elements and sends
+    2, where an all_reduce sends 3 and collecting the terms receives 6.  On meshes priced rank by
+    rank only (it names every member's target)."""
+    mesh_shape, shape = spec.mesh_shape, spec.shape
+    if not _exact_pricing(mesh_shape) or _any_strided(src, dst):
+        return None
+    if any(isinstance(dst[i], Partial) for i in red) or \
+            any(not placement_equal(src[i], dst[i]) for i in range(len(src)) if i not in red):
+        return None
+    itemsize = _itemsize(spec.dtype)
+    costs = []
+    for c in all_coords(mesh_shape):
+        # every target inside the shard its group holds terms of (not where a reduced dim would
+        # shard a tensor dim outside a later mesh dim's piece: (P, S0) -> (S0, S0))
+        (have, start), (want, at) = (local_shape_and_offset(shape, mesh_shape, p, c) for p in (src, dst))
+        if math.prod(want) and any(a < s or a + w > s + h for a, w, s, h in zip(at, want, start, have)):
+            return None
+        sizes = [math.prod(local_shape(shape, mesh_shape, dst, m)) for m in L.group_coords(mesh_shape, red, c)]
+        filled = [v for v in sizes if v]
+        if len(filled) > REDUCE_TO_MAX_TARGETS or len(filled) == len(sizes):
+            return None  # not sparse: a reduce_scatter or an exchange does it in one collective
+        costs.append(sum(filled) * itemsize)  # a chain member receives each piece at most once
+    if not any(costs):
+        return None
+    return (GroupStep(red, src, dst, "reduce", tuple(costs)),)
 
 
 def _cost_1d(shape, n: int, src: Placement, dst: Placement, itemsize: int) -> float:

@@ -18,7 +18,7 @@ from dtshard.redistribute.packing import copied, note_padding, numel_except, pad
 from dtshard.redistribute.pipelining import (all_gather_pipelined, all_to_all_pipelined, pipe_for,
                                              reduce_scatter_pipelined)
 from dtshard.redistribute.planning import GroupStep, Step, plan
-from dtshard.spec import DTensorSpec, chunk_range, chunk_sizes, local_shape
+from dtshard.spec import DTensorSpec, chunk_range, chunk_sizes, local_shape, local_shape_and_offset
 
 __all__ = ["redistribute_local"]
 
@@ -193,7 +193,34 @@ def _run_group_step(x: torch.Tensor, spec: DTensorSpec, step: GroupStep, coord) 
         return _reduce_exchange(x, spec, step, coord)
     if step.kind == "all_gather":
         return _flat_all_gather(x, spec, step, coord)
+    if step.kind == "reduce":
+        return _reduce_to(x, spec, step, coord)
     raise AssertionError(f"unknown group step kind {step.kind}")
+
+
+def _reduce_to(x: torch.Tensor, spec: DTensorSpec, step: GroupStep, coord) -> torch.Tensor:
+    """``planning._reduce_to_steps``: one ``reduce`` of each non-empty target piece into the member
+    that keeps it (every member holds a term of it: the reduced dims shard nothing in the source),
+    in group order on every member; averages divide by the size of their mesh dims."""
+    dims = step.mesh_dims
+    ops = {step.src[i].reduce_op for i in dims}
+    op = ops.pop() if ops in ({"max"}, {"min"}) else "sum"
+    me = L.group_index(spec.mesh_shape, dims, coord)
+    _, base = local_shape_and_offset(spec.shape, spec.mesh_shape, step.src, coord)
+    out = None
+    for g, m in enumerate(L.group_coords(spec.mesh_shape, dims, coord)):
+        shape, offset = local_shape_and_offset(spec.shape, spec.mesh_shape, step.dst, m)
+        if math.prod(shape) == 0:
+            continue
+        got = C.reduce(region(x, tuple((o - b, n) for o, b, n in zip(offset, base, shape))), op, spec.mesh, dims, g)
+        if g == me:
+            out = got
+    if out is None:  # this member's target is empty
+        return x.new_empty(local_shape(spec.shape, spec.mesh_shape, step.dst, coord))
+    n_avg = math.prod(spec.mesh_shape[i] for i in dims if step.src[i].reduce_op == "avg")
+    if n_avg > 1:
+        out = out / n_avg if out.is_floating_point() or out.is_complex() else out // n_avg
+    return out
 
 
 _lengths: dict = {}

@@ -1,5 +1,5 @@
 """Flattened-group redistribute steps under torch.compile(fullgraph=True): an exchange (all_to_all
-with split sizes), one all_reduce over all Partial dims, and a reduce_scatter, forward and
+with split sizes), one all_reduce over all Partial dims, a reduce_scatter and a reduce, forward and
 backward, equal to eager on every rank of a 2x2 mesh.  The flattened process group may be
 created while Dynamo traces (its rank table is read outside the fake mode)."""
 
@@ -19,12 +19,15 @@ def _compiled_transitions():
     x = torch.randn(8, 6)
     problems = []
     cases = [((Shard(0), Shard(1)), (Shard(1), Shard(0))), ((Partial(), Partial()), (Replicate(), Replicate())),
-             ((Replicate(), Shard(0)), (Shard(0), Shard(0))), ((Partial(), Shard(0)), (Shard(0), Shard(0)))]
-    for src, dst in cases:
+             ((Replicate(), Shard(0)), (Shard(0), Shard(0))), ((Partial(), Shard(0)), (Shard(0), Shard(0))),
+             # one rank keeps the whole result: a reduce into it (an all_reduce when traced)
+             ((Partial(), Partial()), (Shard(1), Shard(1)), torch.randn(2, 1))]
+    for src, dst, *given in cases:
+        value = given[0] if given else x
         terms = [Partial() if isinstance(p, Partial) else Replicate() for p in src]
         coord = mesh.get_coordinate()
         keep = all(coord[i] == 0 for i, p in enumerate(src) if isinstance(p, Partial))
-        d = dtshard.DTensor.from_local(x if keep else torch.zeros_like(x), mesh, terms).redistribute(mesh, src)
+        d = dtshard.DTensor.from_local(value if keep else torch.zeros_like(value), mesh, terms).redistribute(mesh, src)
         d = d.detach().requires_grad_()
 
         def fn(t, dst=dst):

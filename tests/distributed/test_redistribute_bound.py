@@ -19,8 +19,8 @@ arithmetic, not dtshard's planner or layout code):
 
 The other direction: the most any rank SENDS (``CommCounter.bytes``, the collectives' own count)
 is at most 1.25x the floor of :func:`minimum_sent`, wherever the shards alone give one: the
-holders of replicated data share the sending.  (2x where a Partial reduces onto a target that
-leaves ranks empty: see :func:`_send_slack`.)
+holders of replicated data share the sending.  And what the planner says each rank sends
+(``planning.plan_sends``, by which it chooses between plans) is exactly what was counted.
 
 Partial sources hold terms that differ between the replicas of the other mesh dims (``_terms``'
 ``key``): a plan that sums one replica's terms with another's is caught.
@@ -148,19 +148,6 @@ def minimum_sent(shape, mesh_shape, src, dst) -> float | None:
         demand = sum(_overlap(targets[q], list(box)) for q in coords if q not in held)
         best = max(best, -(-demand // len(holders)))
     return best
-
-
-def _send_slack(shape, mesh_shape, src, dst) -> float:
-    """1.25, but 2 where a Partial source reduces onto a target that leaves some ranks empty (the
-    sum lands on fewer ranks than hold its terms: ``(P, P) -> (S1, S1)`` of ``[2, 1]`` on 2x2).
-    There the least sending takes a chain of partial sums into the receivers, a step dtshard
-    does not have: its all_reduce-based plans receive the least and send up to 1.67x the floor
-    (a reducing exchange would send the floor but receive 2x the least); docs/known-limits.md."""
-    if not any(isinstance(p, Partial) for p in src):
-        return 1.25
-    coords = itertools.product(*(range(n) for n in mesh_shape))
-    empty = any(_numel(_box(shape, mesh_shape, dst, c)) == 0 for c in coords)
-    return 2.0 if empty and math.prod(shape) else 1.25
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,7 +315,7 @@ def _check(mesh_shape, shape, transitions, min_boxes=None):
             bad.append(f"{src} -> {dst}: {probs[0]}")
         elif got > 1.25 * want + 1e-9:
             bad.append(f"{src} -> {dst}: received {got} B, minimum {want:.0f} B ({got / max(want, 1):.2f}x)")
-        elif floor is not None and sent > _send_slack(shape, mesh_shape, src, dst) * floor * 8 + 1e-9:
+        elif floor is not None and sent > 1.25 * floor * 8 + 1e-9:
             bad.append(f"{src} -> {dst}: a rank sent {sent} B, the floor is {floor * 8} B")
     assert not bad, f"mesh {mesh_shape}, shape {shape}: {len(bad)} of {len(transitions)} transitions:\n" + "\n".join(bad[:40])
 

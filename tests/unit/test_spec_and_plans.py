@@ -341,3 +341,20 @@ def test_one_shard_view_check_agrees_with_the_region_walk():
                                for c in range(n))
                     assert quick == walk, (n, a, da, b, db)
     assert answered > 5000
+
+
+def test_reduce_into_the_ranks_a_sparse_target_keeps():
+    """A Partial reduced onto a layout that leaves all but one rank of its group empty is one
+    ``reduce`` into that rank (each rank sends its piece once, none receives twice); a target
+    a reduced dim would shard outside the source's piece (``(P, S0) -> (S0, S0)``), a dense one,
+    or a mesh past the rank-by-rank pricing is not."""
+    from dtshard.redistribute.planning import plan_sends
+
+    P, S0, S1 = Partial(), Shard(0), Shard(1)
+    s = spec((2, 2), (P, P), (2, 1))
+    steps = plan(s, (S1, S1))
+    assert [(st.kind, st.mesh_dims) for st in steps] == [("reduce", (0, 1))]
+    assert plan_sends(s, steps) == (0, 8, 8, 8)  # float32: the whole [2, 1] from each other rank once
+    for mesh_shape, src, dst, shape in [((2, 2), (P, S0), (S0, S0), (2, 1)), ((2, 2), (P, P), (S0, S1), (4, 4)),
+                                       ((16, 16), (P, P), (S1, S1), (2, 1))]:
+        assert all(st.kind != "reduce" for st in plan(spec(mesh_shape, src, shape), dst)), (src, dst, shape)
