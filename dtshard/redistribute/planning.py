@@ -369,9 +369,10 @@ def _steps_cost(spec: DTensorSpec, steps) -> float:
     return flat + (max(per_rank) if per_rank else 0.0)
 
 
-#: on meshes of up to this many ranks, the planner also works out what each rank SENDS in every
-#: plan that receives the least (:func:`plan_sends`, rank by rank): where the plan it would pick
-#: makes some rank send more than 1.25x another such plan does, it takes the other
+#: on meshes of up to this many ranks, the planner also works out what each rank SENDS in the
+#: plans that receive within 1.25x of the least (:func:`plan_sends`, rank by rank): where the plan
+#: it would pick makes some rank send more than 1.25x another of them does, it takes the other
+#: (:func:`_sends_shared`)
 SEND_PRICING_RANKS = 16
 
 

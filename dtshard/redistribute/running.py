@@ -198,6 +198,9 @@ def _run_group_step(x: torch.Tensor, spec: DTensorSpec, step: GroupStep, coord) 
     raise AssertionError(f"unknown group step kind {step.kind}")
 
 
+_reduce_pieces: dict = {}  # (layout, step, coordinate) -> the pieces of a reduce step
+
+
 def _reduce_to(x: torch.Tensor, spec: DTensorSpec, step: GroupStep, coord) -> torch.Tensor:
     """``planning._reduce_to_steps``: one ``reduce`` of each non-empty target piece into the member
     that keeps it (every member holds a term of it: the reduced dims shard nothing in the source),
@@ -205,14 +208,20 @@ def _reduce_to(x: torch.Tensor, spec: DTensorSpec, step: GroupStep, coord) -> to
     dims = step.mesh_dims
     ops = {step.src[i].reduce_op for i in dims}
     op = ops.pop() if ops in ({"max"}, {"min"}) else "sum"
+    key = (spec.shape, spec.mesh_shape, step.src, step.dst, dims, coord)
+    pieces = _reduce_pieces.get(key)
+    if pieces is None:  # (member, its target's slices of this rank's shard), for the non-empty ones
+        _bound(_reduce_pieces)
+        _, base = local_shape_and_offset(spec.shape, spec.mesh_shape, step.src, coord)
+        pieces = _reduce_pieces[key] = [
+            (g, tuple((o - b, n) for o, b, n in zip(offset, base, shape)))
+            for g, (shape, offset) in enumerate(local_shape_and_offset(spec.shape, spec.mesh_shape, step.dst, m)
+                                                for m in L.group_coords(spec.mesh_shape, dims, coord))
+            if math.prod(shape)]
     me = L.group_index(spec.mesh_shape, dims, coord)
-    _, base = local_shape_and_offset(spec.shape, spec.mesh_shape, step.src, coord)
     out = None
-    for g, m in enumerate(L.group_coords(spec.mesh_shape, dims, coord)):
-        shape, offset = local_shape_and_offset(spec.shape, spec.mesh_shape, step.dst, m)
-        if math.prod(shape) == 0:
-            continue
-        got = C.reduce(region(x, tuple((o - b, n) for o, b, n in zip(offset, base, shape))), op, spec.mesh, dims, g)
+    for g, slices in pieces:
+        got = C.reduce(region(x, slices), op, spec.mesh, dims, g)
         if g == me:
             out = got
     if out is None:  # this member's target is empty
