@@ -654,9 +654,8 @@ def _water_fill(forced: Sequence[int], total: int) -> list[int]:
     """Split ``total`` units among bins already holding ``forced`` so the fullest bin holds the
     least possible: every bin filled up to one level ``t`` (the largest whose fill fits), the
     remainder one unit each to the lowest bins, first bin first."""
-    out = [0] * len(forced)
     if total <= 0 or not forced:
-        return out
+        return [0] * len(forced)
     lo, hi = min(forced), min(forced) + total
     while lo < hi:  # the largest level whose fill is at most total
         mid = (lo + hi + 1) // 2

@@ -29,7 +29,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from dtshard import layout as L
 from dtshard.layout import exchange_costs
-from dtshard.redistribute.packing import pads_reduce_scatter
+from dtshard.redistribute.packing import pads_reduce_scatter, parent_length
 from dtshard.spec import (DTensorSpec, _itemsize, chunk_range, chunk_sizes, is_strided, local_shape,
                           local_shape_and_offset, memo, placement_equal, placement_key, placement_str,
                           placements_str)
@@ -381,10 +381,13 @@ def plan_sends(spec: DTensorSpec, steps) -> tuple[int, ...]:
     collectives count them (``CommCounter.bytes``: a ring all_gather sends ``n - 1`` copies of its
     padded shard, a ring all_reduce ``2 (n - 1) / n`` of it, a reduce_scatter ``(n - 1) / n`` of its
     padded input or, of exact pieces, every piece but its own, an all_to_all every split but its
-    own, an exchange its plan's send sizes).  Walks every rank: small meshes only (tests hold it
-    to the counts measured on real ranks)."""
+    own, an exchange its plan's send sizes).  Walks every rank, so meshes of up to
+    :data:`SEND_PRICING_RANKS` ranks only (tests hold it to the counts measured on real ranks)."""
     itemsize = _itemsize(spec.dtype)
     shape, mesh_shape = tuple(spec.shape), tuple(spec.mesh_shape)
+    if math.prod(mesh_shape) > SEND_PRICING_RANKS:
+        raise ValueError(f"plan_sends walks every rank: meshes of up to {SEND_PRICING_RANKS} ranks, not "
+                         f"{tuple(mesh_shape)}")
     out = []
     for c in all_coords(mesh_shape):
         state = tuple(spec.placements)
@@ -420,16 +423,16 @@ def plan_sends(spec: DTensorSpec, steps) -> tuple[int, ...]:
                     sent += 2 * (n - 1) * nbytes // n
                 elif s.kind == "all_gather":
                     d = s.src.dim
-                    parent = list(local_shape(shape, mesh_shape, state[:s.mesh_dim] + (_R,) + state[s.mesh_dim + 1:], c))
-                    sent += _collective_sends("all_gather", x, d, chunk_sizes(parent[d], n), c[s.mesh_dim], itemsize)
+                    sizes = chunk_sizes(parent_length(spec, state, s.mesh_dim, c, d), n)
+                    sent += _collective_sends("all_gather", x, d, sizes, c[s.mesh_dim], itemsize)
                 elif s.kind == "reduce_scatter":
                     sizes = chunk_sizes(x[s.dst.dim], n)
                     sent += _collective_sends("reduce_scatter", x, s.dst.dim, sizes, c[s.mesh_dim], itemsize,
                                               padded=pads_reduce_scatter(s.src.reduce_op, sizes))
                 elif s.kind == "all_to_all":
                     d, e = s.src.dim, s.dst.dim
-                    parent = list(local_shape(shape, mesh_shape, state[:s.mesh_dim] + (_R,) + state[s.mesh_dim + 1:], c))
-                    if math.prod(v for j, v in enumerate(x) if j not in (d, e)) and parent[d] and x[e]:
+                    if math.prod(v for j, v in enumerate(x) if j not in (d, e)) and \
+                            parent_length(spec, state, s.mesh_dim, c, d) and x[e]:
                         sizes_e = chunk_sizes(x[e], n)
                         sent += (x[e] - sizes_e[c[s.mesh_dim]]) * (math.prod(x) // x[e]) * itemsize
             state = state[:s.mesh_dim] + (s.dst,) + state[s.mesh_dim + 1:]
@@ -488,7 +491,8 @@ def _best_plan(spec: DTensorSpec, src: tuple, dst: tuple) -> tuple:
             f"for a tensor of shape {tuple(spec.shape)} on a mesh of shape {tuple(spec.mesh_shape)}")
     # bytes received, plus COPY_WEIGHT per byte the plan copies locally around its collectives:
     # of two plans receiving about the same, the one that packs, unpacks and sums less wins
-    costs = [_steps_cost(spec, c) + COPY_WEIGHT * _plan_copy_bytes(spec, c) for c in cands]
+    received = [_steps_cost(spec, c) for c in cands]
+    costs = [r + COPY_WEIGHT * _plan_copy_bytes(spec, c) for r, c in zip(received, cands)]
     least = min(costs)
     # among the plans that receive the least bytes: no flattened group of several mesh dims (each
     # is a communicator of its own, costly at thousands of ranks: one is created only where a step
@@ -503,18 +507,18 @@ def _best_plan(spec: DTensorSpec, src: tuple, dst: tuple) -> tuple:
 
     k = min(tied, key=order)
     if math.prod(spec.mesh_shape) <= SEND_PRICING_RANKS and len(cands) > 1:
-        k = _sends_shared(spec, cands, costs, k, order)
+        k = _sends_shared(spec, cands, received, costs, k, order)
     return cands[k]
 
 
-def _sends_shared(spec: DTensorSpec, cands, costs, k: int, order) -> int:
+def _sends_shared(spec: DTensorSpec, cands, received, costs, k: int, order) -> int:
     """``k``, unless it makes the busiest sender send over 1.25x what another plan receiving at
     most 1.25x the least does: then, of the plans within 1.25x of the least sending among those,
     the one that receives least.  Both of a rank's links then carry at most 1.25x their least:
     plans that receive about alike can differ in sending (an all_reduce then an exchange sends
     every term of a small result twice where a reduce_scatter then the exchange, or one reducing
-    exchange, sends each once)."""
-    received = [_steps_cost(spec, c) for c in cands]
+    exchange, sends each once).  ``received`` / ``costs``: each plan's bytes received, and with
+    the copy charge."""
     least = min(received)
     pool = [j for j, r in enumerate(received) if r <= 1.25 * least + 1.0]
     if pool == [k]:

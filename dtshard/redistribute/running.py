@@ -181,11 +181,7 @@ def _run_group_step(x: torch.Tensor, spec: DTensorSpec, step: GroupStep, coord) 
             sizes = _group_lengths(spec, step.dst, dims, coord, d)
             out = _reduce_scatter_sizes(x, spec, dims, C.group_rank(spec.mesh, dims), op, d, sizes)
         if len(ops) > 0:  # mixed: divide by the size of the averaged dims
-            n_avg = 1
-            for i in dims:
-                if step.src[i].reduce_op == "avg":
-                    n_avg *= spec.mesh_shape[i]
-            out = out / n_avg if out.is_floating_point() or out.is_complex() else out // n_avg
+            out = _divide_averaged(out, spec, step.src, dims)
         return out
     if step.kind == "exchange":
         return _exchange(x, spec, step, coord)
@@ -206,8 +202,6 @@ def _reduce_to(x: torch.Tensor, spec: DTensorSpec, step: GroupStep, coord) -> to
     that keeps it (every member holds a term of it: the reduced dims shard nothing in the source),
     in group order on every member; averages divide by the size of their mesh dims."""
     dims = step.mesh_dims
-    ops = {step.src[i].reduce_op for i in dims}
-    op = ops.pop() if ops in ({"max"}, {"min"}) else "sum"
     key = (spec.shape, spec.mesh_shape, step.src, step.dst, dims, coord)
     pieces = _reduce_pieces.get(key)
     if pieces is None:  # (member, its target's slices of this rank's shard), for the non-empty ones
@@ -220,13 +214,26 @@ def _reduce_to(x: torch.Tensor, spec: DTensorSpec, step: GroupStep, coord) -> to
             if math.prod(shape)]
     me = L.group_index(spec.mesh_shape, dims, coord)
     out = None
+    op = _terms_op(step.src, dims)
     for g, slices in pieces:
         got = C.reduce(region(x, slices), op, spec.mesh, dims, g)
         if g == me:
             out = got
     if out is None:  # this member's target is empty
         return x.new_empty(local_shape(spec.shape, spec.mesh_shape, step.dst, coord))
-    n_avg = math.prod(spec.mesh_shape[i] for i in dims if step.src[i].reduce_op == "avg")
+    return _divide_averaged(out, spec, step.src, dims)
+
+
+def _terms_op(src, dims) -> str:
+    """The reduction that combines the terms of the Partial dims ``dims`` of ``src``: max or min
+    where that is every dim's, else a sum (averages are then divided by :func:`_divide_averaged`)."""
+    ops = {src[i].reduce_op for i in dims}
+    return ops.pop() if ops in ({"max"}, {"min"}) else "sum"
+
+
+def _divide_averaged(out: torch.Tensor, spec: DTensorSpec, src, dims) -> torch.Tensor:
+    """``out`` (a sum over the Partial dims ``dims``) divided by the size of those that average."""
+    n_avg = math.prod(spec.mesh_shape[i] for i in dims if src[i].reduce_op == "avg")
     if n_avg > 1:
         out = out / n_avg if out.is_floating_point() or out.is_complex() else out // n_avg
     return out
@@ -412,14 +419,10 @@ def _reduce_exchange(x: torch.Tensor, spec: DTensorSpec, step: GroupStep, coord)
                 region(slot, t.dst_slices).copy_(recv[off:off + t.numel].view([n for _, n in t.dst_slices]))
                 off += t.numel
         unread = None if off else recv
-    ops = {step.src[i].reduce_op for i in red}
-    out = reduce_terms(terms, ops.pop() if ops in ({"max"}, {"min"}) else "sum")
+    out = reduce_terms(terms, _terms_op(step.src, red))
     if unread is not None:  # receiving nothing, this rank still takes part (see C.consumed)
         out = C.consumed(out, unread)
-    n_avg = math.prod(spec.mesh_shape[i] for i in red if step.src[i].reduce_op == "avg")
-    if n_avg > 1:
-        out = out / n_avg if out.is_floating_point() or out.is_complex() else out // n_avg
-    return out
+    return _divide_averaged(out, spec, step.src, red)
 
 
 def redistribute_local(x: torch.Tensor, spec: DTensorSpec, dst: Sequence[Placement],

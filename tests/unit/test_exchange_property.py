@@ -49,6 +49,10 @@ def _numel(region):
     return math.prod(sum(hi - lo for lo, hi in ivs) for ivs in region)
 
 
+def _elements(region):
+    return itertools.product(*[[i for lo, hi in ivs for i in range(lo, hi)] for ivs in region])
+
+
 def _shared(a, b):
     n = 1
     for ia, ib in zip(a, b):
@@ -74,10 +78,8 @@ def brute_feasible(shape, mesh_shape, src, dst, dims):
             continue
         held = set()
         for m in _members(mesh_shape, dims, c):
-            r = local_region(shape, mesh_shape, src, m)
-            held.update(itertools.product(*[[i for lo, hi in ivs for i in range(lo, hi)] for ivs in r]))
-        if not all(e in held for e in itertools.product(*[[i for lo, hi in ivs for i in range(lo, hi)]
-                                                            for ivs in want])):
+            held.update(_elements(local_region(shape, mesh_shape, src, m)))
+        if not all(e in held for e in _elements(want)):
             return False
     return True
 
@@ -300,10 +302,6 @@ def least_max_sent(shape, mesh_shape, src, dst, dims, red):
                  for q in _members(mesh_shape, dims, c) if q not in replicas]
         best = max(best, -(-sum(needs) // len(replicas)))
     return best
-
-
-def _elements(region):
-    return itertools.product(*[[i for lo, hi in ivs for i in range(lo, hi)] for ivs in region])
 
 
 def least_max_sent_reducing(shape, mesh_shape, src, dst, dims, red, rounds=120):
